@@ -1,0 +1,1 @@
+"""Backends park and restore a job's device state on this node."""

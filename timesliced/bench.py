@@ -1,0 +1,220 @@
+"""``timesliced bench ...``: benchmark programs that print figures.
+
+``handoff`` runs a real daemon process and real client processes. Jobs hold
+no device memory, so a handoff is pure lock traffic: the time from one job's
+release to the next job's acquire returning. Clocks are compared across
+processes with ``time.perf_counter`` (CLOCK_MONOTONIC on Linux).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .client.protocol import Grant
+from .config import default_sim_dir
+
+GROUP = "bench"
+
+
+def _quantile(values: list[float], q: float) -> float:
+    data = sorted(values)
+    return data[min(len(data) - 1, int(q * len(data)))]
+
+
+class DaemonProcess:
+    """``timesliced serve`` as a child process on a fresh state dir."""
+
+    def __init__(self, *extra: str) -> None:
+        self.state = Path(tempfile.mkdtemp(prefix="timesliced-bench-"))
+        self.socket = str(self.state / "timesliced.sock")
+        cmd = [sys.executable, "-m", "timesliced", "serve", "--state-dir", str(self.state), "--log-level", "WARNING"]
+        self.proc = subprocess.Popen([*cmd, "--socket", self.socket, *extra])
+        deadline = time.monotonic() + 30
+        while not _answers(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("the benchmark daemon did not start")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(default_sim_dir(self.state), ignore_errors=True)
+        shutil.rmtree(self.state, ignore_errors=True)
+
+    def __enter__(self) -> DaemonProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _answers(path: str) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+        return True
+    except OSError:
+        return False
+
+
+# --- workers (run in their own processes) --------------------------------------------
+
+
+def handoff_worker(address: str, job: str, jobs: int, rounds: int, hold_s: float) -> dict[str, Any]:
+    from .client import Client
+
+    with Client(job=job, group=GROUP, address=address) as client:
+        while len(client.status()["jobs"]) < jobs:  # start together
+            time.sleep(0.01)
+        slices = []
+        for _ in range(rounds):
+            grant: Grant = client.acquire()
+            acquired = time.perf_counter()
+            time.sleep(hold_s)  # lets the other jobs queue up, so every release hands over
+            released = time.perf_counter()
+            client.release()
+            slices.append((acquired, released, grant.fence))
+    return {"job": job, "slices": slices}
+
+
+def uncontended_worker(address: str, rounds: int) -> dict[str, Any]:
+    from .client import Client
+
+    with Client(job="solo", group=f"{GROUP}-solo", address=address) as client:
+        client.acquire()
+        client.release()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            client.acquire()
+            client.release()
+        elapsed = time.perf_counter() - start
+        pings = []
+        for _ in range(min(rounds, 2000)):
+            t = time.perf_counter()
+            client.ping()
+            pings.append(time.perf_counter() - t)
+    return {"acquire_release_per_s": rounds / elapsed, "ping_rtt_p50_ms": _quantile(pings, 0.5) * 1000}
+
+
+def echo_server(path: str) -> None:
+    """Echo bytes on a Unix socket: the floor any request/reply can reach."""
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind(path)
+        srv.listen(1)
+        print("ready", flush=True)
+        conn, _ = srv.accept()
+        with conn:
+            while data := conn.recv(4096):
+                conn.sendall(data)
+
+
+def loopback_rtt(rounds: int) -> float:
+    path = os.path.join(tempfile.mkdtemp(prefix="timesliced-echo-"), "echo.sock")
+    server = subprocess.Popen([sys.executable, "-m", "timesliced.bench", "--echo", path], stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None
+        server.stdout.readline()
+        samples = []
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+            message = b"x" * 48  # about the size of an acquire frame
+            for _ in range(rounds):
+                t = time.perf_counter()
+                s.sendall(message)
+                got = 0
+                while got < len(message):
+                    got += len(s.recv(4096))
+                samples.append(time.perf_counter() - t)
+        return _quantile(samples, 0.5) * 1000
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+# --- the benchmark -------------------------------------------------------------------
+
+
+def _run_worker(*args: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "timesliced.bench", "--worker", json.dumps(args)], stdout=subprocess.PIPE, text=True
+    )
+
+
+def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    out, _ = proc.communicate(timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark worker failed with exit code {proc.returncode}")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def run_handoff(rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001) -> dict[str, Any]:
+    """Handoff latency, uncontended acquire+release rate and the loopback floor."""
+    if jobs < 2 or rounds < 10:
+        raise ValueError("need at least 2 jobs and 10 rounds")
+    per_job = max(1, rounds // jobs)
+    with DaemonProcess("--gpus", "1", "--gpu-memory", "64MiB") as daemon:
+        procs = [_run_worker("handoff", daemon.socket, f"job-{i}", jobs, per_job, hold_s) for i in range(jobs)]
+        records = [_result(p) for p in procs]
+        solo = _result(_run_worker("uncontended", daemon.socket, rounds))
+    slices = sorted((acq, rel, fence, r["job"]) for r in records for acq, rel, fence in r["slices"])
+    fences = [s[2] for s in slices]
+    handoffs = [
+        (nxt[0] - prev[1]) * 1000 for prev, nxt in zip(slices, slices[1:]) if nxt[3] != prev[3] and nxt[2] == prev[2] + 1
+    ]
+    floor = loopback_rtt(min(rounds, 5000))
+    p50 = _quantile(handoffs, 0.5)
+    return {
+        "jobs": jobs,
+        "rounds": len(slices),
+        "handoffs": len(handoffs),
+        "handoff_p50_ms": p50,
+        "handoff_p99_ms": _quantile(handoffs, 0.99),
+        "handoff_max_ms": max(handoffs),
+        "acquire_release_per_s": solo["acquire_release_per_s"],
+        "ping_rtt_p50_ms": solo["ping_rtt_p50_ms"],
+        "loopback_rtt_p50_ms": floor,
+        "handoff_over_loopback": p50 / floor,
+        "fences_strictly_increasing": all(b > a for a, b in zip(fences, fences[1:])),
+    }
+
+
+def format_handoff(r: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"handoff between {r['jobs']} jobs over {r['rounds']} slices ({r['handoffs']} handoffs)",
+            f"  release -> next acquire returns   p50 {r['handoff_p50_ms']:.3f} ms   "
+            f"p99 {r['handoff_p99_ms']:.3f} ms   max {r['handoff_max_ms']:.3f} ms",
+            f"  uncontended acquire+release       {r['acquire_release_per_s']:.0f} /s",
+            f"  daemon ping round trip            p50 {r['ping_rtt_p50_ms']:.3f} ms",
+            f"  raw loopback round trip (floor)   p50 {r['loopback_rtt_p50_ms']:.3f} ms",
+            f"  handoff p50 / loopback p50        {r['handoff_over_loopback']:.1f}x",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--echo":
+        echo_server(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        kind, *rest = json.loads(sys.argv[2])
+        worker = handoff_worker if kind == "handoff" else uncontended_worker
+        print(json.dumps(worker(*rest)))
+    else:
+        raise SystemExit("usage: timesliced bench handoff")

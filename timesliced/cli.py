@@ -1,0 +1,195 @@
+"""The ``timesliced`` command: serve, status, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from . import __version__, errors
+from .config import DaemonConfig, default_state_dir, parse_host_port, parse_size
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except errors.TimeslicedError as exc:
+        print(f"timesliced: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="timesliced", description="Co-operative GPU time-slicing daemon and tools.")
+    parser.add_argument("--version", action="version", version=f"timesliced {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the node daemon")
+    add_daemon_options(serve)
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.set_defaults(run=cmd_serve)
+
+    status = sub.add_parser("status", help="show groups, jobs and devices of a running daemon")
+    status.add_argument("--address", help="daemon socket path or HOST:PORT (default: the local daemon)")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(run=cmd_status)
+
+    demo = sub.add_parser("demo", help="run a mixed RL/SFT workload on simulated GPUs and print its figures")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.add_argument("--scale", type=float, default=1.0, help="stretch every phase by this factor")
+    demo.add_argument("--no-serial", action="store_true", help="skip the serial comparison run")
+    demo.set_defaults(run=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks that print figures")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    handoff = bench_sub.add_parser("handoff", help="lock handoff latency between jobs with zero-cost state")
+    handoff.add_argument("--rounds", type=int, default=2000)
+    handoff.add_argument("--jobs", type=int, default=2, help="jobs ping-ponging the group")
+    handoff.add_argument("--json", action="store_true", help="print one JSON object")
+    handoff.set_defaults(run=cmd_bench_handoff)
+    return parser
+
+
+def add_daemon_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", type=Path, default=None, help=f"state directory (default {default_state_dir()})")
+    p.add_argument("--socket", type=Path, default=None, help="Unix socket path (default STATE_DIR/timesliced.sock)")
+    p.add_argument("--listen", type=parse_host_port, default=None, metavar="HOST:PORT", help="also serve TCP")
+    p.add_argument("--node", default=None, help="node name (default: the host name)")
+    p.add_argument("--backend", default="sim", choices=["sim"], help="how GPU state is parked")
+    p.add_argument("--gpus", type=int, default=2, help="number of simulated GPUs")
+    p.add_argument("--gpu-memory", type=parse_size, default="16GiB", metavar="SIZE", help="memory per simulated GPU")
+    p.add_argument(
+        "--bandwidth",
+        type=float,
+        default=25.0,
+        metavar="GB/S",
+        help="simulated host<->device copy bandwidth in GB/s (0: as fast as memory allows)",
+    )
+    p.add_argument("--sim-dir", type=Path, default=None, help="where simulated device memory lives (tmpfs)")
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    config = DaemonConfig(
+        backend=args.backend,
+        gpus=args.gpus,
+        gpu_memory=args.gpu_memory,
+        bandwidth=args.bandwidth * 1e9,
+        listen=args.listen,
+        sim_dir=args.sim_dir,
+        socket_path=args.socket,
+    )
+    if args.state_dir is not None:
+        config.state_dir = args.state_dir
+    if args.node:
+        config.node = args.node
+    if config.gpus < 1:
+        raise SystemExit("timesliced: --gpus must be at least 1")
+    return config
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .node.daemon import Daemon
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    daemon = Daemon(config_from_args(args))
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, daemon.stop)
+        await daemon.run()
+
+    asyncio.run(serve())
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .client.sync import daemon_status
+
+    status = daemon_status(args.address)
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import format_report, run_demo
+
+    report = run_demo(scale=args.scale, serial=not args.no_serial, progress=None if args.json else print)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["data_errors"] == 0 else 1
+
+
+def cmd_bench_handoff(args: argparse.Namespace) -> int:
+    from .bench import format_handoff, run_handoff
+
+    result = run_handoff(rounds=args.rounds, jobs=args.jobs)
+    print(json.dumps(result, indent=2) if args.json else format_handoff(result))
+    return 0
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _ms(s: Any) -> str:
+    return "-" if s is None else f"{s * 1000:.1f} ms"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [
+        f"timesliced {status['version']} on {status['node']}  backend={status['backend']}  "
+        f"uptime={status['uptime_s']:.0f}s  connections={status['connections']}",
+        "",
+        "DEVICES",
+    ]
+    for d in status["devices"]:
+        jobs = ", ".join(f"{name} {_size(v['bytes'])} {v['location']}" for name, v in d["jobs"].items()) or "-"
+        lines.append(f"  gpu{d['index']}  {_size(d['used'])} / {_size(d['capacity'])}  {jobs}")
+    lines += ["", "GROUPS"]
+    for g in status["groups"] or []:
+        holder = f"{g['holder']} ({g['held_s']:.1f}s)" if g["holder"] else "-"
+        queue = ", ".join(f"{w['job']} ({w['waited_s']:.1f}s)" for w in g["queue"]) or "-"
+        lines.append(
+            f"  {g['group']}  gpus={g['gpus']}  state={g['state']}  fence={g['fence']}  holder={holder}  queue={queue}"
+        )
+        lines.append(
+            f"      grants={g['grants']} switches={g['switches']} median switch={_ms(g['median_switch_s'])} "
+            f"p95 switch={_ms(g['p95_switch_s'])} median wait={_ms(g['median_wait_s'])} moved={_size(g['bytes_moved'])}"
+        )
+    if not status["groups"]:
+        lines.append("  (none)")
+    lines += ["", "JOBS"]
+    for j in status["jobs"]:
+        fault = f"  FAULTED: {j['faulted']}" if j["faulted"] else ""
+        lines.append(
+            f"  {j['job']}  group={j['group']}  state={j['location']}  slices={j['slices']}  "
+            f"restores={j['restores']}  gpu-s={j['gpu_seconds']:.1f}  pids={j['pids']}{fault}"
+        )
+    if not status["jobs"]:
+        lines.append("  (none)")
+    c = status["counters"]
+    lines += ["", f"connections accepted={c['accepted']} refused={c['refused']} protocol errors={c['protocol_errors']}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

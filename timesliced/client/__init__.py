@@ -1,0 +1,7 @@
+"""The client library: ``Client`` (blocking, thread-safe) and ``AsyncClient``."""
+
+from .aio import AsyncClient
+from .protocol import Grant
+from .sync import Client
+
+__all__ = ["AsyncClient", "Client", "Grant"]

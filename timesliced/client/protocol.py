@@ -1,0 +1,120 @@
+"""The client's protocol core, shared by ``Client`` and ``AsyncClient`` (pure).
+
+It numbers requests, frames them, decodes what the daemon sends and turns
+replies into results or typed exceptions. The two shells only move bytes and
+wait.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import errors
+from ..config import default_socket_path, parse_host_port
+from ..wire.codec import DEFAULT_MAX_FRAME, FrameDecoder, encode
+from ..wire.messages import PROTOCOL_VERSION, Push, Reply, Request, parse_incoming
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What an acquire returns: the lock is held until ``release()``."""
+
+    group: str
+    job: str
+    fence: int  # grows with every grant of the group
+    waited_s: float  # time spent in the queue
+    switch_s: float  # time spent parking others and restoring this job
+    restored: bool  # False: the job's state was still on the GPU, nothing moved
+
+    @classmethod
+    def from_wire(cls, result: Any) -> Grant:
+        try:
+            return cls(
+                str(result["group"]),
+                str(result["job"]),
+                int(result["fence"]),
+                float(result["waited_s"]),
+                float(result["switch_s"]),
+                bool(result["restored"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            raise errors.ProtocolError(f"malformed grant from daemon: {result!r}") from None
+
+
+@dataclass(frozen=True)
+class Address:
+    kind: str  # "unix" | "tcp"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    def __str__(self) -> str:
+        return self.path if self.kind == "unix" else f"{self.host}:{self.port}"
+
+
+def resolve_address(address: str | os.PathLike[str] | None) -> Address:
+    """``None`` -> the local daemon's socket; ``"tcp://h:p"`` or ``"h:p"`` -> TCP; else a socket path."""
+    if address is None:
+        return Address("unix", path=str(default_socket_path()))
+    text = os.fspath(address)
+    if text.startswith("tcp://"):
+        host, port = parse_host_port(text[len("tcp://") :])
+        return Address("tcp", host=host, port=port)
+    if not text.startswith(("/", ".")) and ":" in text and not Path(text).exists():
+        host, port = parse_host_port(text)
+        return Address("tcp", host=host, port=port)
+    return Address("unix", path=text)
+
+
+class ClientProtocol:
+    """Request numbering and frame decoding for one connection."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self._decoder = FrameDecoder(max_frame)
+        self._max_frame = max_frame
+        self._next_id = 1
+
+    def request(self, op: str, args: dict[str, Any] | None = None) -> tuple[int, bytes]:
+        rid = self._next_id
+        self._next_id += 1
+        return rid, encode(Request(rid, op, args or {}).to_wire(), self._max_frame)
+
+    def receive(self, data: bytes) -> list[Reply | Push]:
+        """Decode ``data``; raises ``ProtocolError`` if the daemon broke the protocol.
+
+        A reply without an id is the daemon closing the connection with an
+        error; it is raised as that error.
+        """
+        out: list[Reply | Push] = []
+        for message in self._decoder.feed(data):
+            if "push" not in message and message.get("id") is None and message.get("ok") is False:
+                raise errors.from_wire(message.get("error"))
+            out.append(parse_incoming(message))
+        return out
+
+
+def hello_args() -> dict[str, Any]:
+    return {"version": PROTOCOL_VERSION, "role": "client", "pid": os.getpid(), "program": Path(sys.argv[0]).name}
+
+
+def register_args(job: str, group: str, gpus: list[int] | None, pids: list[int] | None) -> dict[str, Any]:
+    if not isinstance(job, str) or not job or not isinstance(group, str) or not group:
+        raise ValueError("job and group must be non-empty strings")
+    return {"job": job, "group": group, "gpus": gpus, "pids": sorted({os.getpid(), *(pids or [])})}
+
+
+def acquire_args(timeout: float | None) -> dict[str, Any]:
+    if timeout is not None and not timeout >= 0:
+        raise ValueError("timeout must be >= 0 or None")
+    return {"timeout": timeout}
+
+
+def result_of(reply: Reply) -> Any:
+    if reply.ok:
+        return reply.result
+    assert reply.error is not None
+    raise reply.error

@@ -1,0 +1,172 @@
+"""Inputs to the scheduler core (past tense) and its outputs (imperative).
+
+Both are plain data so that a shell can log them, a test can build them by
+hand, and a later multi-node transport can carry them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import TimeslicedError
+
+SessionId = int
+Ticket = tuple[SessionId, int]  # (session, request id): who gets the reply
+
+
+# --- events --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobRegistered:
+    session: SessionId
+    job: str
+    group: str
+    gpus: tuple[int, ...] | None  # None: the group's GPUs, or every GPU for a new group
+    pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SessionClosed:
+    session: SessionId
+
+
+@dataclass(frozen=True)
+class AcquireRequested:
+    session: SessionId
+    request_id: int
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class AcquireCancelled:
+    session: SessionId
+    request_id: int
+
+
+@dataclass(frozen=True)
+class ReleaseRequested:
+    session: SessionId
+
+
+@dataclass(frozen=True)
+class MemoryRequested:
+    session: SessionId
+    request_id: int
+    gpu: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class MemoryReleased:
+    job: str
+    gpu: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class MoveFinished:
+    """A snapshot or restore started by ``SnapshotJob`` / ``RestoreJob`` ended."""
+
+    op: int
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class JobExited:
+    """Every process of the job is gone: its state can be dropped."""
+
+    job: str
+
+
+@dataclass(frozen=True)
+class ReclaimFinished:
+    op: int
+
+
+Event = (
+    JobRegistered
+    | SessionClosed
+    | AcquireRequested
+    | AcquireCancelled
+    | ReleaseRequested
+    | MemoryRequested
+    | MemoryReleased
+    | MoveFinished
+    | JobExited
+    | ReclaimFinished
+)
+
+
+# --- effects -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GrantLock:
+    group: str
+    job: str
+    fence: int
+    waited_s: float
+    switch_s: float
+    restored: bool
+    tickets: tuple[Ticket, ...]
+    again: bool = False  # the job already held the lock: same fence, nothing moved
+
+    def info(self) -> dict[str, object]:
+        return {
+            "group": self.group,
+            "job": self.job,
+            "fence": self.fence,
+            "waited_s": self.waited_s,
+            "switch_s": self.switch_s,
+            "restored": self.restored,
+        }
+
+
+@dataclass(frozen=True)
+class FailRequest:
+    ticket: Ticket
+    error: TimeslicedError
+
+
+@dataclass(frozen=True)
+class SnapshotJob:
+    op: int
+    job: str
+
+
+@dataclass(frozen=True)
+class RestoreJob:
+    op: int
+    job: str
+
+
+@dataclass(frozen=True)
+class AllocateRegion:
+    """Memory is reserved in the ledger: create the region and reply to ``ticket``."""
+
+    ticket: Ticket
+    job: str
+    gpu: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReclaimJob:
+    op: int
+    job: str
+
+
+@dataclass(frozen=True)
+class NotifyJob:
+    """Push ``event`` to every connected session of ``job``."""
+
+    job: str
+    event: str
+    data: dict[str, object]
+
+
+Effect = GrantLock | FailRequest | SnapshotJob | RestoreJob | AllocateRegion | ReclaimJob | NotifyJob

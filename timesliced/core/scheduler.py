@@ -1,0 +1,717 @@
+"""The scheduler core: groups, jobs, lock queues and GPU residency (pure).
+
+No I/O, no asyncio, no clock: every input carries ``now`` and every output is
+an effect for the shell to carry out (``drain()``). ``next_deadline()`` tells
+the shell when to call ``handle_timers(now)``.
+
+Invariants (``check_invariants``), kept after every input:
+
+- a group has at most one holding job, and that job is resident and not faulted;
+- each group's queue is in arrival order (FIFO) and holds a job at most once;
+- fences grow strictly with every new grant of a group;
+- on every GPU the bytes of jobs that occupy it (resident, parking, restoring)
+  never exceed its capacity: a restore is started only once the memory is free.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import errors
+from .events import (
+    AcquireCancelled,
+    AcquireRequested,
+    AllocateRegion,
+    Effect,
+    Event,
+    FailRequest,
+    GrantLock,
+    JobExited,
+    JobRegistered,
+    MemoryReleased,
+    MemoryRequested,
+    MoveFinished,
+    NotifyJob,
+    ReclaimFinished,
+    ReclaimJob,
+    ReleaseRequested,
+    RestoreJob,
+    SessionClosed,
+    SessionId,
+    SnapshotJob,
+    Ticket,
+)
+
+RECENT = 512  # samples kept per group for medians and percentiles
+
+
+class Location(enum.Enum):
+    """Where a job's device state lives on this node."""
+
+    RESIDENT = "resident"
+    PARKING = "parking"
+    PARKED = "parked"
+    RESTORING = "restoring"
+
+    @property
+    def occupies_device(self) -> bool:
+        return self is not Location.PARKED
+
+
+class GroupState(enum.Enum):
+    IDLE = "idle"  # nobody holds, no job of the group resident
+    IDLE_YIELDED = "idle-yielded"  # nobody holds, the last holder is still resident
+    LOCKED = "locked"
+    SWITCHING = "switching"
+
+
+@dataclass
+class Waiter:
+    """One job's place in a group's queue; several requests may wait on it."""
+
+    job: str
+    enqueued_at: float
+    tickets: dict[Ticket, float | None] = field(default_factory=dict)  # ticket -> deadline
+
+
+@dataclass
+class Job:
+    name: str
+    group: str
+    sessions: set[SessionId] = field(default_factory=set)
+    pids: set[int] = field(default_factory=set)
+    location: Location = Location.RESIDENT
+    footprint: dict[int, int] = field(default_factory=dict)  # gpu -> bytes
+    faulted: str = ""  # why, if faulted
+    exiting: bool = False
+    last_granted: float = float("-inf")
+    # figures
+    slices: int = 0
+    restores: int = 0
+    snapshots: int = 0
+    gpu_seconds: float = 0.0
+    bytes_moved: int = 0
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+
+
+@dataclass
+class Switch:
+    incoming: str
+    started_at: float
+    pending: set[int] = field(default_factory=set)  # snapshot / restore ops in flight
+    restoring: bool = False
+
+
+@dataclass
+class Group:
+    name: str
+    gpus: tuple[int, ...]
+    queue: list[Waiter] = field(default_factory=list)
+    holder: str | None = None
+    holder_sessions: set[SessionId] = field(default_factory=set)
+    held_since: float = 0.0
+    fence: int = 0
+    switch: Switch | None = None
+    last_holder: str | None = None
+    # figures
+    grants: int = 0
+    switches: int = 0
+    bytes_moved: int = 0
+    held_total_s: float = 0.0
+    created_at: float = 0.0
+    switch_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    wait_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+
+
+@dataclass
+class _PendingAlloc:
+    ticket: Ticket
+    job: str
+    gpu: int
+    nbytes: int
+    ops: set[int]
+
+
+@dataclass
+class _Move:
+    op: int
+    job: str
+    kind: str  # "snapshot" | "restore" | "reclaim"
+    started_at: float
+
+
+class Scheduler:
+    """Decides who holds each group and what must move between device and host."""
+
+    def __init__(self, capacities: dict[int, int], *, max_waiters: int = 1024) -> None:
+        if not capacities:
+            raise ValueError("a scheduler needs at least one GPU")
+        self.capacities = dict(capacities)
+        self.max_waiters = max_waiters
+        self.groups: dict[str, Group] = {}
+        self.jobs: dict[str, Job] = {}
+        self.sessions: dict[SessionId, str] = {}  # session -> job
+        self._effects: list[Effect] = []
+        self._moves: dict[int, _Move] = {}
+        self._pending_allocs: list[_PendingAlloc] = []
+        self._deadlines: list[tuple[float, Ticket]] = []  # heap, stale entries skipped lazily
+        self._next_op = 1
+        self._handlers: dict[type, Callable[[Any, float], Any]] = {
+            JobRegistered: self._on_registered,
+            SessionClosed: self._on_session_closed,
+            AcquireRequested: self._on_acquire,
+            AcquireCancelled: self._on_cancel,
+            ReleaseRequested: self._on_release,
+            MemoryRequested: self._on_memory_requested,
+            MemoryReleased: self._on_memory_released,
+            MoveFinished: self._on_move_finished,
+            JobExited: self._on_job_exited,
+            ReclaimFinished: self._on_reclaim_finished,
+        }
+
+    # --- shell interface -------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> Any:
+        """Feed one event; returns its immediate result, raises ``TimeslicedError``.
+
+        An event that raises changes nothing.
+        """
+        result = self._handlers[type(event)](event, now)
+        self._advance_all(now)
+        return result
+
+    def handle_timers(self, now: float) -> None:
+        """Expire every acquire whose deadline is at or before ``now``."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, ticket = heapq.heappop(self._deadlines)
+            waiter = self._waiter_of_ticket(ticket)
+            deadline = waiter[1].tickets.get(ticket) if waiter else None
+            if waiter is None or deadline is None or deadline > now:
+                continue  # already granted, cancelled, gone, or asked again with a later deadline
+            group, w = waiter
+            self._drop_ticket(group, w, ticket)
+            self._emit(FailRequest(ticket, errors.AcquireTimeout("the lock was not granted before the timeout")))
+        self._advance_all(now)
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines:
+            deadline, ticket = self._deadlines[0]
+            waiter = self._waiter_of_ticket(ticket)
+            if waiter is not None and waiter[1].tickets.get(ticket) == deadline:
+                return deadline
+            heapq.heappop(self._deadlines)
+        return None
+
+    def drain(self) -> list[Effect]:
+        out, self._effects = self._effects, []
+        return out
+
+    # --- queries ---------------------------------------------------------------------
+
+    def used(self, gpu: int) -> int:
+        return sum(j.footprint.get(gpu, 0) for j in self.jobs.values() if j.location.occupies_device)
+
+    def group_state(self, group: Group) -> GroupState:
+        if group.switch is not None:
+            return GroupState.SWITCHING
+        if group.holder is not None:
+            return GroupState.LOCKED
+        last = self.jobs.get(group.last_holder or "")
+        if last is not None and last.location is Location.RESIDENT and not last.faulted:
+            return GroupState.IDLE_YIELDED
+        return GroupState.IDLE
+
+    def job_of(self, session: SessionId) -> Job:
+        name = self.sessions.get(session)
+        if name is None:
+            raise errors.NotRegistered("register a job before using the lock")
+        return self.jobs[name]
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if any invariant is broken (used by tests)."""
+        for g in self.groups.values():
+            if g.holder is not None:
+                holder = self.jobs[g.holder]
+                assert holder.group == g.name
+                assert holder.location is Location.RESIDENT and not holder.faulted, (g.name, holder)
+                assert g.switch is None
+            names = [w.job for w in g.queue]
+            assert len(names) == len(set(names)), f"job queued twice in {g.name}: {names}"
+            assert all(a.enqueued_at <= b.enqueued_at for a, b in zip(g.queue, g.queue[1:])), "queue not FIFO"
+            assert all(w.tickets for w in g.queue), "empty waiter left in queue"
+            assert g.holder not in names, "holder is also queued"
+        for gpu, cap in self.capacities.items():
+            assert self.used(gpu) <= cap, f"gpu {gpu} over capacity: {self.used(gpu)} > {cap}"
+        for s, name in self.sessions.items():
+            assert s in self.jobs[name].sessions
+
+    # --- events ----------------------------------------------------------------------
+
+    def _on_registered(self, ev: JobRegistered, now: float) -> dict[str, Any]:
+        if ev.session in self.sessions:
+            raise errors.AlreadyRegistered(f"this connection already registered job {self.sessions[ev.session]!r}")
+        if ev.gpus is not None:
+            if not ev.gpus:
+                raise errors.BadRequest("a group needs at least one GPU")
+            unknown = sorted(set(ev.gpus) - set(self.capacities))
+            if unknown:
+                raise errors.UnknownDevice(f"no GPU {unknown} on this node (it has {sorted(self.capacities)})")
+        group = self.groups.get(ev.group)
+        gpus = tuple(sorted(set(ev.gpus))) if ev.gpus is not None else None
+        if group is not None and gpus is not None and gpus != group.gpus:
+            raise errors.GroupMismatch(f"group {ev.group!r} has GPUs {list(group.gpus)}, not {list(gpus)}")
+        job = self.jobs.get(ev.job)
+        if job is not None and job.group != ev.group:
+            raise errors.GroupMismatch(f"job {ev.job!r} belongs to group {job.group!r}, not {ev.group!r}")
+        if job is not None and job.exiting:
+            raise errors.JobFaulted(f"job {ev.job!r} is being torn down; register again shortly")
+        if group is None:
+            group = Group(ev.group, gpus or tuple(sorted(self.capacities)), created_at=now)
+            self.groups[ev.group] = group
+        if job is None:
+            job = Job(ev.job, ev.group)
+            self.jobs[ev.job] = job
+        job.sessions.add(ev.session)
+        job.pids.update(ev.pids)
+        self.sessions[ev.session] = ev.job
+        return {"job": job.name, "group": group.name, "gpus": list(group.gpus), "location": job.location.value}
+
+    def _on_session_closed(self, ev: SessionClosed, now: float) -> None:
+        name = self.sessions.pop(ev.session, None)
+        if name is None:
+            return
+        job = self.jobs[name]
+        job.sessions.discard(ev.session)
+        group = self.groups[job.group]
+        for w in list(group.queue):
+            for ticket in [t for t in w.tickets if t[0] == ev.session]:
+                self._drop_ticket(group, w, ticket)
+        self._pending_allocs = [p for p in self._pending_allocs if p.ticket[0] != ev.session]
+        if group.holder == name:
+            group.holder_sessions.discard(ev.session)
+            if not group.holder_sessions:
+                self._yield(group, now)
+
+    def _on_acquire(self, ev: AcquireRequested, now: float) -> None:
+        job = self.job_of(ev.session)
+        if job.faulted:
+            raise errors.JobFaulted(f"job {job.name!r} is faulted: {job.faulted}")
+        group = self.groups[job.group]
+        ticket = (ev.session, ev.request_id)
+        if group.holder == job.name:
+            group.holder_sessions.add(ev.session)
+            self._emit(GrantLock(group.name, job.name, group.fence, 0.0, 0.0, False, (ticket,), again=True))
+            return
+        waiter = next((w for w in group.queue if w.job == job.name), None)
+        if waiter is None:
+            if len(group.queue) >= self.max_waiters:
+                raise errors.LimitExceeded(f"group {group.name!r} already has {self.max_waiters} waiting jobs")
+            waiter = Waiter(job.name, now)
+            group.queue.append(waiter)
+        waiter.tickets[ticket] = ev.deadline
+        if ev.deadline is not None:
+            heapq.heappush(self._deadlines, (ev.deadline, ticket))
+
+    def _on_cancel(self, ev: AcquireCancelled, now: float) -> dict[str, bool]:
+        job = self.job_of(ev.session)
+        group = self.groups[job.group]
+        ticket = (ev.session, ev.request_id)
+        for w in group.queue:
+            if ticket in w.tickets:
+                self._drop_ticket(group, w, ticket)
+                self._emit(FailRequest(ticket, errors.AcquireCancelled("the acquire was cancelled")))
+                return {"cancelled": True}
+        return {"cancelled": False}  # already granted or failed: the reply is on its way
+
+    def _on_release(self, ev: ReleaseRequested, now: float) -> dict[str, Any]:
+        job = self.job_of(ev.session)
+        group = self.groups[job.group]
+        if group.holder != job.name or ev.session not in group.holder_sessions:
+            holder = f"job {group.holder!r}" if group.holder else "nobody"
+            raise errors.NotHolder(f"job {job.name!r} does not hold group {group.name!r} ({holder} does)")
+        held_s = now - group.held_since
+        group.holder_sessions.discard(ev.session)
+        if not group.holder_sessions:
+            self._yield(group, now)
+        return {"group": group.name, "fence": group.fence, "held_s": held_s}
+
+    def _on_memory_requested(self, ev: MemoryRequested, now: float) -> None:
+        job = self.job_of(ev.session)
+        group = self.groups[job.group]
+        if ev.gpu not in group.gpus:
+            raise errors.UnknownDevice(f"GPU {ev.gpu} is not in group {group.name!r} (GPUs {list(group.gpus)})")
+        if job.faulted:
+            raise errors.JobFaulted(f"job {job.name!r} is faulted: {job.faulted}")
+        if job.location is not Location.RESIDENT:
+            raise errors.NotResident(f"job {job.name!r} is {job.location.value}; acquire the lock first")
+        ticket = (ev.session, ev.request_id)
+        cap = self.capacities[ev.gpu]
+        if ev.nbytes > cap - self.used(ev.gpu):
+            victims = self._plan_evictions({ev.gpu: ev.nbytes}, exclude={job.name})
+            if victims is None:
+                raise errors.OutOfMemory(self._oom_message(ev.gpu, ev.nbytes, job.name), gpu=ev.gpu)
+            ops = {self._start_move(v, "snapshot", now) for v in victims}
+            self._pending_allocs.append(_PendingAlloc(ticket, job.name, ev.gpu, ev.nbytes, ops))
+            return
+        self._reserve(job, ev.gpu, ev.nbytes, ticket)
+
+    def _on_memory_released(self, ev: MemoryReleased, now: float) -> None:
+        job = self.jobs.get(ev.job)
+        if job is None:
+            return
+        left = job.footprint.get(ev.gpu, 0) - ev.nbytes
+        if left < 0:
+            raise ValueError(f"job {ev.job!r} frees more on GPU {ev.gpu} than it holds")
+        if left:
+            job.footprint[ev.gpu] = left
+        else:
+            job.footprint.pop(ev.gpu, None)
+
+    def _on_move_finished(self, ev: MoveFinished, now: float) -> None:
+        move = self._moves.pop(ev.op, None)
+        if move is None or move.kind == "reclaim":
+            raise ValueError(f"no snapshot or restore with op {ev.op}")
+        job = self.jobs[move.job]
+        job.bytes_moved += ev.nbytes
+        group = self.groups[job.group]
+        group.bytes_moved += ev.nbytes
+        if move.kind == "snapshot":
+            if ev.ok:
+                job.location = Location.PARKED
+                job.snapshots += 1
+            else:
+                # The backend keeps a failed snapshot resident: the memory stays taken.
+                job.location = Location.RESIDENT
+                self._fault(job, f"snapshot failed: {ev.error}")
+        else:
+            if ev.ok:
+                job.location = Location.RESIDENT
+                job.restores += 1
+            else:
+                # The backend keeps a failed restore parked and gives its pages back.
+                job.location = Location.PARKED
+                self._fault(job, f"restore failed: {ev.error}")
+        if job.exiting:
+            self._reclaim(job, now)
+        for g in self.groups.values():
+            if g.switch is not None and ev.op in g.switch.pending:
+                g.switch.pending.discard(ev.op)
+                if not g.switch.pending:
+                    self._continue_switch(g, now)
+        self._retry_allocs(ev.op)
+
+    def _on_job_exited(self, ev: JobExited, now: float) -> None:
+        job = self.jobs.get(ev.job)
+        if job is None or job.exiting:
+            return
+        job.exiting = True
+        group = self.groups[job.group]
+        for w in list(group.queue):
+            if w.job == job.name:
+                for ticket in list(w.tickets):
+                    self._drop_ticket(group, w, ticket)
+        if group.holder == job.name:
+            self._yield(group, now)
+        if job.location in (Location.RESIDENT, Location.PARKED):
+            self._reclaim(job, now)
+        # else: reclaimed when its move finishes
+
+    def _on_reclaim_finished(self, ev: ReclaimFinished, now: float) -> None:
+        move = self._moves.pop(ev.op, None)
+        if move is None or move.kind != "reclaim":
+            raise ValueError(f"no reclaim with op {ev.op}")
+        job = self.jobs.pop(move.job)
+        for s in job.sessions:
+            self.sessions.pop(s, None)
+        group = self.groups[job.group]
+        if group.last_holder == job.name:
+            group.last_holder = None
+
+    # --- the lock --------------------------------------------------------------------
+
+    def _yield(self, group: Group, now: float) -> None:
+        assert group.holder is not None
+        job = self.jobs[group.holder]
+        held = now - group.held_since
+        job.gpu_seconds += held * len(group.gpus)
+        group.held_total_s += held
+        group.last_holder = group.holder
+        group.holder = None
+        group.holder_sessions.clear()
+
+    def _advance_all(self, now: float) -> None:
+        for group in self.groups.values():
+            self._advance(group, now)
+
+    def _advance(self, group: Group, now: float) -> None:
+        """Grant the head of the queue, or start the switch it needs."""
+        while group.holder is None and group.switch is None and group.queue:
+            head = group.queue[0]
+            job = self.jobs[head.job]
+            if job.faulted:
+                for ticket in list(head.tickets):
+                    self._drop_ticket(group, head, ticket)
+                    self._emit(FailRequest(ticket, errors.JobFaulted(f"job {job.name!r} is faulted: {job.faulted}")))
+                continue
+            if job.location is Location.RESIDENT:
+                self._grant(group, head, now, switch_s=0.0, restored=False)
+                return
+            if job.location is not Location.PARKED:
+                return  # being parked by another group's switch; go on when that ends
+            victims = self._plan_evictions(job_footprint_missing(job), exclude={job.name})
+            if victims is None:
+                return  # waits until memory frees up (a holder elsewhere yields, a job exits)
+            group.switch = Switch(job.name, now)
+            for v in victims:
+                group.switch.pending.add(self._start_move(v, "snapshot", now))
+            if not group.switch.pending:
+                self._continue_switch(group, now)
+            return
+
+    def _continue_switch(self, group: Group, now: float) -> None:
+        """All snapshots of the switch are done: restore, or re-plan, or give up."""
+        switch = group.switch
+        assert switch is not None
+        job = self.jobs.get(switch.incoming)
+        if switch.restoring or job is None or job.faulted or job.exiting or job.location is not Location.PARKED:
+            self._finish_switch(group, now)
+            return
+        victims = self._plan_evictions(job_footprint_missing(job), exclude={job.name})
+        if victims is None:
+            group.switch = None  # a victim faulted and still holds memory; wait for memory
+            return
+        if victims:
+            for v in victims:
+                switch.pending.add(self._start_move(v, "snapshot", now))
+            return
+        switch.restoring = True
+        switch.pending.add(self._start_move(job, "restore", now))
+
+    def _finish_switch(self, group: Group, now: float) -> None:
+        switch = group.switch
+        assert switch is not None
+        group.switch = None
+        job = self.jobs.get(switch.incoming)
+        if (
+            job is not None
+            and group.queue
+            and group.queue[0].job == job.name
+            and job.location is Location.RESIDENT
+            and not job.faulted
+        ):
+            self._grant(group, group.queue[0], now, switch_s=now - switch.started_at, restored=True)
+
+    def _grant(self, group: Group, waiter: Waiter, now: float, *, switch_s: float, restored: bool) -> None:
+        assert group.queue[0] is waiter
+        group.queue.pop(0)
+        job = self.jobs[waiter.job]
+        group.fence += 1
+        group.grants += 1
+        group.holder = job.name
+        group.holder_sessions = {s for s, _ in waiter.tickets}
+        group.held_since = now
+        waited = now - waiter.enqueued_at
+        group.wait_times.append(waited)
+        job.waits.append(waited)
+        job.slices += 1
+        job.last_granted = now
+        if restored:
+            group.switches += 1
+            group.switch_times.append(switch_s)
+        self._emit(GrantLock(group.name, job.name, group.fence, waited, switch_s, restored, tuple(waiter.tickets)))
+
+    def _drop_ticket(self, group: Group, waiter: Waiter, ticket: Ticket) -> None:
+        del waiter.tickets[ticket]
+        if not waiter.tickets:
+            group.queue.remove(waiter)
+
+    def _waiter_of_ticket(self, ticket: Ticket) -> tuple[Group, Waiter] | None:
+        name = self.sessions.get(ticket[0])
+        if name is None:
+            return None
+        group = self.groups[self.jobs[name].group]
+        for w in group.queue:
+            if ticket in w.tickets:
+                return group, w
+        return None
+
+    # --- memory ----------------------------------------------------------------------
+
+    def _plan_evictions(self, need: dict[int, int], exclude: set[str]) -> list[Job] | None:
+        """Idle resident jobs to park so that ``need`` (gpu -> bytes) fits, or None.
+
+        Holders, jobs on the move, faulted jobs and ``exclude`` are never
+        evicted; among the rest the least recently granted go first.
+        """
+        holders = {g.holder for g in self.groups.values() if g.holder is not None}
+        incoming = {g.switch.incoming for g in self.groups.values() if g.switch is not None}
+        candidates = sorted(
+            (
+                j
+                for j in self.jobs.values()
+                if j.location is Location.RESIDENT
+                and not j.faulted
+                and j.name not in exclude | holders | incoming
+                and any(j.footprint.get(gpu, 0) for gpu in need)
+            ),
+            key=lambda j: j.last_granted,
+        )
+        free = {gpu: self.capacities[gpu] - self.used(gpu) for gpu in need}
+        victims: list[Job] = []
+        for victim in candidates:
+            if all(free[gpu] >= n for gpu, n in need.items()):
+                break
+            if all(free[gpu] >= n or not victim.footprint.get(gpu) for gpu, n in need.items()):
+                continue  # frees nothing where it is short
+            victims.append(victim)
+            for gpu in need:
+                free[gpu] += victim.footprint.get(gpu, 0)
+        if all(free[gpu] >= n for gpu, n in need.items()):
+            return victims
+        return None
+
+    def _reserve(self, job: Job, gpu: int, nbytes: int, ticket: Ticket) -> None:
+        job.footprint[gpu] = job.footprint.get(gpu, 0) + nbytes
+        self._emit(AllocateRegion(ticket, job.name, gpu, nbytes))
+
+    def _retry_allocs(self, op: int) -> None:
+        still: list[_PendingAlloc] = []
+        for p in self._pending_allocs:
+            p.ops.discard(op)
+            if p.ops:
+                still.append(p)
+                continue
+            job = self.jobs.get(p.job)
+            if job is None or job.location is not Location.RESIDENT or job.faulted:
+                self._emit(FailRequest(p.ticket, errors.NotResident(f"job {p.job!r} was parked while allocating")))
+            elif p.nbytes > self.capacities[p.gpu] - self.used(p.gpu):
+                self._emit(FailRequest(p.ticket, errors.OutOfMemory(self._oom_message(p.gpu, p.nbytes, p.job))))
+            else:
+                self._reserve(job, p.gpu, p.nbytes, p.ticket)
+        self._pending_allocs = still
+
+    def _oom_message(self, gpu: int, nbytes: int, job: str) -> str:
+        cap = self.capacities[gpu]
+        others = sorted(
+            f"{j.name} ({j.footprint[gpu]} B, {'holding' if self._holds(j) else j.location.value})"
+            for j in self.jobs.values()
+            if j.name != job and j.location.occupies_device and j.footprint.get(gpu)
+        )
+        return (
+            f"GPU {gpu}: cannot allocate {nbytes} bytes for job {job!r}: {cap - self.used(gpu)} of {cap} bytes free"
+            + (f"; also on it: {', '.join(others)}" if others else "")
+        )
+
+    def _holds(self, job: Job) -> bool:
+        return self.groups[job.group].holder == job.name
+
+    def _start_move(self, job: Job, kind: str, now: float) -> int:
+        op = self._next_op
+        self._next_op += 1
+        self._moves[op] = _Move(op, job.name, kind, now)
+        if kind == "snapshot":
+            job.location = Location.PARKING
+            self._emit(SnapshotJob(op, job.name))
+        else:
+            job.location = Location.RESTORING
+            self._emit(RestoreJob(op, job.name))
+        return op
+
+    def _reclaim(self, job: Job, now: float) -> None:
+        op = self._next_op
+        self._next_op += 1
+        self._moves[op] = _Move(op, job.name, "reclaim", now)
+        self._emit(ReclaimJob(op, job.name))
+
+    def _fault(self, job: Job, reason: str) -> None:
+        job.faulted = reason
+        self._emit(NotifyJob(job.name, "faulted", {"job": job.name, "reason": reason}))
+
+    def _emit(self, effect: Effect) -> None:
+        self._effects.append(effect)
+
+    # --- status ----------------------------------------------------------------------
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """A plain-data picture of the scheduler for ``status`` and the dashboard."""
+        return {
+            "devices": [
+                {
+                    "index": gpu,
+                    "capacity": cap,
+                    "used": self.used(gpu),
+                    "jobs": {
+                        j.name: {"bytes": j.footprint[gpu], "location": j.location.value}
+                        for j in self.jobs.values()
+                        if j.footprint.get(gpu)
+                    },
+                }
+                for gpu, cap in sorted(self.capacities.items())
+            ],
+            "groups": [self._describe_group(g, now) for g in self.groups.values()],
+            "jobs": [
+                {
+                    "job": j.name,
+                    "group": j.group,
+                    "location": j.location.value,
+                    "faulted": j.faulted or None,
+                    "sessions": len(j.sessions),
+                    "pids": sorted(j.pids),
+                    "footprint": {str(k): v for k, v in sorted(j.footprint.items())},
+                    "slices": j.slices,
+                    "restores": j.restores,
+                    "snapshots": j.snapshots,
+                    "gpu_seconds": j.gpu_seconds + (self._held_for(j, now) * len(self.groups[j.group].gpus)),
+                    "bytes_moved": j.bytes_moved,
+                    "median_wait_s": median(j.waits),
+                }
+                for j in self.jobs.values()
+            ],
+        }
+
+    def _held_for(self, job: Job, now: float) -> float:
+        group = self.groups[job.group]
+        return now - group.held_since if group.holder == job.name else 0.0
+
+    def _describe_group(self, g: Group, now: float) -> dict[str, Any]:
+        return {
+            "group": g.name,
+            "gpus": list(g.gpus),
+            "state": self.group_state(g).value,
+            "holder": g.holder,
+            "held_s": now - g.held_since if g.holder else None,
+            "fence": g.fence,
+            "queue": [{"job": w.job, "waited_s": now - w.enqueued_at, "requests": len(w.tickets)} for w in g.queue],
+            "switching_to": g.switch.incoming if g.switch else None,
+            "grants": g.grants,
+            "switches": g.switches,
+            "bytes_moved": g.bytes_moved,
+            "median_switch_s": median(g.switch_times),
+            "p95_switch_s": percentile(g.switch_times, 0.95),
+            "median_wait_s": median(g.wait_times),
+            "lock_duty": (g.held_total_s + (now - g.held_since if g.holder else 0.0)) / max(now - g.created_at, 1e-9),
+        }
+
+
+def job_footprint_missing(job: Job) -> dict[int, int]:
+    """What a parked job needs on each GPU to come back."""
+    return {gpu: n for gpu, n in job.footprint.items() if n}
+
+
+def median(values: Iterable[float]) -> float | None:
+    return percentile(values, 0.5)
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    data = sorted(values)
+    if not data:
+        return None
+    pos = q * (len(data) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)

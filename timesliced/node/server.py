@@ -1,0 +1,253 @@
+"""The client server: accepts connections and turns bytes into requests.
+
+Each connection is isolated: a malformed or oversized frame, a stalled
+half-frame, a client that stops reading or a handler that blows up closes
+(or answers) that one connection and touches nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from .. import errors
+from ..wire.codec import FrameDecoder, encode
+from ..wire.messages import PROTOCOL_VERSION, Push, Reply, parse_request, request_id_of
+from .compat import timeout
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 1 << 16
+BACKLOG = 1024  # bursts of clients starting together (a whole job's ranks) must not see EAGAIN
+
+
+@dataclass
+class Peer:
+    """Who is on the other end, as the kernel reports it."""
+
+    transport: str  # "unix" | "tcp"
+    pid: int | None = None
+    uid: int | None = None
+    address: str = ""
+
+
+@dataclass
+class Connection:
+    id: int
+    peer: Peer
+    writer: asyncio.StreamWriter
+    max_frame: int
+    max_write_buffer: int
+    hello: dict[str, Any] | None = None
+    closed: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Queue one frame; never blocks. A client that does not read is dropped."""
+        if self.closed:
+            return
+        try:
+            frame = encode(message, self.max_frame)
+        except errors.FrameTooLarge as exc:
+            log.error("connection %d: reply too large, sending an error instead: %s", self.id, exc)
+            if "id" not in message:
+                return
+            frame = encode(Reply(message["id"], False, error=errors.InternalError(str(exc))).to_wire())
+        self.writer.write(frame)
+        if self.writer.transport.get_write_buffer_size() > self.max_write_buffer:
+            log.warning("connection %d: client is not reading its replies; closing it", self.id)
+            self.close()
+
+    def reply(self, request_id: int, result: Any) -> None:
+        self.send(Reply(request_id, True, result).to_wire())
+
+    def fail(self, request_id: int | None, error: errors.TimeslicedError) -> None:
+        self.send({"id": request_id, "ok": False, "error": errors.to_wire(error)})
+
+    def push(self, event: str, data: dict[str, Any]) -> None:
+        self.send(Push(event, data).to_wire())
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.writer.close()
+
+
+class Handler(Protocol):
+    """What the server needs from the daemon."""
+
+    def open_connection(self, conn: Connection) -> None: ...
+    def handle_request(self, conn: Connection, request_id: int, op: str, args: dict[str, Any]) -> Any: ...
+    def close_connection(self, conn: Connection) -> None: ...
+
+
+DEFERRED = object()  # a handler returns this when the reply comes later (acquire, alloc)
+
+
+class ClientServer:
+    """Unix-socket (and optional TCP) listener feeding requests to a ``Handler``."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_frame: int,
+        max_connections: int,
+        handshake_timeout: float,
+        stall_timeout: float,
+        max_write_buffer: int,
+        node: str,
+        backend: str,
+    ) -> None:
+        self.handler = handler
+        self.max_frame = max_frame
+        self.max_connections = max_connections
+        self.handshake_timeout = handshake_timeout
+        self.stall_timeout = stall_timeout
+        self.max_write_buffer = max_write_buffer
+        self.node = node
+        self.backend = backend
+        self.connections: dict[int, Connection] = {}
+        self.counters = {"accepted": 0, "refused": 0, "protocol_errors": 0, "internal_errors": 0}
+        self._ids = itertools.count(1)
+        self._servers: list[asyncio.Server] = []
+        self.addresses: list[str] = []
+
+    async def start_unix(self, path: Path) -> None:
+        """Bind the Unix socket (replacing a stale one) and start accepting."""
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if path.exists() or path.is_symlink():
+            if await _socket_answers(path):
+                raise errors.TimeslicedError(f"another daemon is already serving {path}")
+            path.unlink()
+        server = await asyncio.start_unix_server(self._serve_unix, path=str(path), limit=READ_CHUNK, backlog=BACKLOG)
+        os.chmod(path, 0o660)  # the owner and its group; see the README on sharing a node
+        self._servers.append(server)
+        self.addresses.append(str(path))
+
+    async def start_tcp(self, host: str, port: int) -> tuple[str, int]:
+        """Bind a TCP listener (port 0 picks one); returns the bound address."""
+        server = await asyncio.start_server(self._serve_tcp, host=host, port=port, limit=READ_CHUNK, backlog=BACKLOG)
+        self._servers.append(server)
+        bound = server.sockets[0].getsockname()
+        self.addresses.append(f"{bound[0]}:{bound[1]}")
+        return bound[0], bound[1]
+
+    async def close(self) -> None:
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections.values()):
+            conn.close()
+        for server in self._servers:
+            await server.wait_closed()
+
+    async def _serve_unix(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        pid = uid = None
+        if sock is not None and hasattr(socket, "SO_PEERCRED"):
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, _gid = struct.unpack("3i", creds)
+        await self._serve(reader, writer, Peer("unix", pid, uid, "local"))
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        address = writer.get_extra_info("peername")
+        await self._serve(reader, writer, Peer("tcp", address=f"{address[0]}:{address[1]}" if address else ""))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer) -> None:
+        conn = Connection(next(self._ids), peer, writer, self.max_frame, self.max_write_buffer)
+        if len(self.connections) >= self.max_connections:
+            self.counters["refused"] += 1
+            conn.fail(None, errors.LimitExceeded(f"the daemon already serves {self.max_connections} connections"))
+            conn.close()
+            return
+        self.counters["accepted"] += 1
+        self.connections[conn.id] = conn
+        try:
+            await self._read_loop(reader, conn)
+        except (ConnectionError, OSError):
+            pass  # the client went away; nothing to answer
+        finally:
+            self.connections.pop(conn.id, None)
+            if conn.hello is not None:
+                try:
+                    self.handler.close_connection(conn)
+                except Exception:
+                    log.exception("connection %d: cleanup failed", conn.id)
+            conn.close()
+
+    async def _read_loop(self, reader: asyncio.StreamReader, conn: Connection) -> None:
+        decoder = FrameDecoder(self.max_frame)
+        while not conn.closed:
+            # Waiting for a grant can take hours, so an idle connection may stay
+            # silent; but a frame that has started must finish, and a new
+            # connection must introduce itself.
+            limit = self.handshake_timeout if conn.hello is None else (self.stall_timeout if decoder.pending else None)
+            try:
+                async with timeout(limit):
+                    data = await reader.read(READ_CHUNK)
+            except TimeoutError:
+                what = "say hello" if conn.hello is None else "finish its frame"
+                log.info("connection %d: did not %s within %.1fs; closing", conn.id, what, limit or 0)
+                conn.fail(None, errors.ProtocolError(f"timed out waiting for the client to {what}"))
+                return
+            if not data:
+                return
+            try:
+                messages = decoder.feed(data)
+            except errors.ProtocolError as exc:
+                self.counters["protocol_errors"] += 1
+                conn.fail(None, exc)  # the stream cannot be resynchronised: answer, then close
+                return
+            for message in messages:
+                self._dispatch(conn, message)
+                if conn.closed:
+                    return
+
+    def _dispatch(self, conn: Connection, message: dict[str, Any]) -> None:
+        rid = request_id_of(message)
+        try:
+            request = parse_request(message)
+            if conn.hello is None:
+                if request.op != "hello":
+                    raise errors.HandshakeRequired("the first request must be 'hello'")
+                conn.reply(request.id, self._hello(conn, request.args))
+                return
+            result = self.handler.handle_request(conn, request.id, request.op, request.args)
+            if result is not DEFERRED:
+                conn.reply(request.id, result)
+        except errors.TimeslicedError as exc:
+            if isinstance(exc, errors.ProtocolError):
+                self.counters["protocol_errors"] += 1
+            conn.fail(rid, exc)
+            if isinstance(exc, (errors.HandshakeRequired, errors.VersionMismatch)):
+                conn.close()
+        except Exception as exc:
+            self.counters["internal_errors"] += 1
+            log.exception("connection %d: request %r failed", conn.id, message.get("op"))
+            conn.fail(rid, errors.InternalError(f"{exc.__class__.__name__}: {exc}"))
+
+    def _hello(self, conn: Connection, args: dict[str, Any]) -> dict[str, Any]:
+        version = args.get("version")
+        if version != PROTOCOL_VERSION:
+            raise errors.VersionMismatch(f"daemon speaks protocol {PROTOCOL_VERSION}, client sent {version!r}")
+        if args.get("role", "client") != "client":
+            raise errors.BadRequest("this listener serves clients only")
+        conn.hello = args
+        self.handler.open_connection(conn)
+        return {"version": PROTOCOL_VERSION, "node": self.node, "backend": self.backend, "session": conn.id}
+
+
+async def _socket_answers(path: Path) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), 1.0)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True

@@ -1,0 +1,83 @@
+"""Length-prefixed msgpack framing (pure, no I/O).
+
+A frame is a 4-byte big-endian length followed by that many bytes holding one
+msgpack map. ``FrameDecoder`` takes bytes as they arrive from a socket and
+returns whole messages; it never buffers more than one maximum-size frame.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+from ..errors import FrameTooLarge, MalformedMessage
+
+HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 1 << 20  # 1 MiB: requests are small; regions travel as metadata only
+
+
+def encode(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """One frame holding ``message``; raises ``FrameTooLarge`` past ``max_frame``."""
+    body: bytes = msgpack.packb(message, use_bin_type=True)
+    if len(body) > max_frame:
+        raise FrameTooLarge(f"frame of {len(body)} bytes exceeds the limit of {max_frame} bytes")
+    return HEADER.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """The map held by one frame body; raises ``MalformedMessage``."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise MalformedMessage(f"frame is not valid msgpack: {exc.__class__.__name__}") from None
+    if not isinstance(obj, dict):
+        raise MalformedMessage(f"frame holds a {type(obj).__name__}, expected a map")
+    return obj
+
+
+class FrameDecoder:
+    """Splits a byte stream into messages.
+
+    After an error the stream cannot be resynchronised, so the decoder stays
+    broken and the caller must close the connection (after sending an error).
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._broken = False
+
+    @property
+    def pending(self) -> int:
+        """Bytes received that do not yet form a whole frame."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """Add ``data``; return every message it completes.
+
+        Raises ``FrameTooLarge`` as soon as a header announces an oversized
+        frame (before its body arrives) and ``MalformedMessage`` for a body
+        that is not a msgpack map.
+        """
+        if self._broken:
+            raise MalformedMessage("stream already failed to decode")
+        self._buf += data
+        out: list[dict[str, Any]] = []
+        while len(self._buf) >= HEADER.size:
+            (size,) = HEADER.unpack_from(self._buf)
+            if size > self.max_frame:
+                self._broken = True
+                raise FrameTooLarge(f"frame of {size} bytes exceeds the limit of {self.max_frame} bytes")
+            end = HEADER.size + size
+            if len(self._buf) < end:
+                break
+            body = bytes(self._buf[HEADER.size : end])
+            del self._buf[:end]
+            try:
+                out.append(decode_body(body))
+            except MalformedMessage:
+                self._broken = True
+                raise
+        return out

@@ -1,0 +1,132 @@
+"""The messages of the timesliced protocol and their validation (pure).
+
+Three kinds of map travel in frames:
+
+- request  ``{"id": int, "op": str, "args": map}``       client -> daemon
+- reply    ``{"id": int, "ok": true, "result": any}``     daemon -> client
+           ``{"id": int, "ok": false, "error": {"code", "message"[, "details"]}}``
+- push     ``{"push": str, "data": map}``                 daemon -> client, unsolicited
+
+Every connection starts with a ``hello`` request carrying the protocol version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import BadRequest, MalformedMessage, TimeslicedError, from_wire, to_wire
+
+PROTOCOL_VERSION = 1
+MAX_REQUEST_ID = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"id": self.id, "op": self.op, "args": self.args}
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: int
+    ok: bool
+    result: Any = None
+    error: TimeslicedError | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        if self.ok:
+            return {"id": self.id, "ok": True, "result": self.result}
+        assert self.error is not None
+        return {"id": self.id, "ok": False, "error": to_wire(self.error)}
+
+
+@dataclass(frozen=True)
+class Push:
+    event: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"push": self.event, "data": self.data}
+
+
+def parse_request(msg: dict[str, Any]) -> Request:
+    """Validate a map received by the daemon; raises ``BadRequest``."""
+    rid = msg.get("id")
+    if not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid <= MAX_REQUEST_ID:
+        raise BadRequest("request 'id' must be a non-negative integer")
+    op = msg.get("op")
+    if not isinstance(op, str) or not op:
+        raise BadRequest("request 'op' must be a non-empty string", id=rid)
+    args = msg.get("args", {})
+    if not isinstance(args, dict):
+        raise BadRequest("request 'args' must be a map", id=rid)
+    return Request(rid, op, args)
+
+
+def parse_incoming(msg: dict[str, Any]) -> Reply | Push:
+    """Validate a map received by a client; raises ``MalformedMessage``."""
+    if "push" in msg:
+        event, data = msg["push"], msg.get("data", {})
+        if not isinstance(event, str) or not isinstance(data, dict):
+            raise MalformedMessage("malformed push from daemon")
+        return Push(event, data)
+    rid, ok = msg.get("id"), msg.get("ok")
+    if not isinstance(rid, int) or not isinstance(ok, bool):
+        raise MalformedMessage("malformed reply from daemon")
+    if ok:
+        return Reply(rid, True, msg.get("result"))
+    return Reply(rid, False, error=from_wire(msg.get("error")))
+
+
+def request_id_of(msg: dict[str, Any]) -> int | None:
+    """The id of a (possibly invalid) request, so an error reply can name it."""
+    rid = msg.get("id")
+    if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= MAX_REQUEST_ID:
+        return rid
+    return None
+
+
+# --- argument helpers: one place that turns wrong types into BadRequest -------------
+
+
+def arg_str(args: dict[str, Any], name: str, *, max_len: int = 256, default: str | None = None) -> str:
+    value = args.get(name, default)
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"argument '{name}' must be a non-empty string")
+    if len(value) > max_len:
+        raise BadRequest(f"argument '{name}' is longer than {max_len} characters")
+    return value
+
+
+def arg_int(args: dict[str, Any], name: str, *, minimum: int = 0, default: int | None = None) -> int:
+    value = args.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise BadRequest(f"argument '{name}' must be an integer >= {minimum}")
+    return value
+
+
+def arg_opt_float(args: dict[str, Any], name: str) -> float | None:
+    value = args.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or value == float("inf"):
+        raise BadRequest(f"argument '{name}' must be a finite number >= 0 or null")
+    return float(value)
+
+
+def arg_int_list(args: dict[str, Any], name: str, *, max_len: int = 1024) -> list[int] | None:
+    value = args.get(name)
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or len(value) > max_len
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    ):
+        raise BadRequest(f"argument '{name}' must be a list of at most {max_len} non-negative integers")
+    return list(value)
