@@ -1,0 +1,704 @@
+"""The simulated GPU backend: device memory is a shared file, parking copies it out.
+
+This is the backend wherever there is no GPU. It behaves like the real thing
+where it matters to the rest of the daemon: clients write real bytes into
+shared memory, a snapshot copies them to host files and gives the device
+pages back, a restore puts them (possibly on other pages) back, and moves
+take time in proportion to their size. The file formats live in
+``sim_layout``, which clients import too.
+
+Crash consistency: every state change is ordered so that a daemon killed at
+any instant leaves either a complete parked copy or a complete device copy,
+with the control file saying which; a new ``SimBackend`` on the same root
+adopts what it finds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import mmap
+import os
+import shutil
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from timesliced import errors
+from timesliced.backends.base import DeviceInfo, MoveResult
+from timesliced.backends.sim_layout import (
+    FAULTED,
+    PARKED,
+    PARKING,
+    RECLAIMED,
+    RESIDENT,
+    STATE_NAMES,
+    CtlWriter,
+    Extent,
+    RegionInfo,
+    RegionRecord,
+    SlotData,
+    arena_path,
+    ctl_path,
+    job_key,
+    parked_dir,
+    read_ctl,
+)
+
+_CHUNK = 8 << 20  # bytes copied between bandwidth checks and abort checks
+_MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
+
+
+class _Aborted(Exception):
+    """The caller of a move gave up on it (cancelled or closed); roll it back."""
+
+
+class _Allocator:
+    """The free pages of one simulated device, as a byte per page (0 free, 1 used)."""
+
+    def __init__(self, npages: int) -> None:
+        self._used = bytearray(npages)
+        self.free_pages = npages
+
+    def take(self, npages: int) -> tuple[Extent, ...] | None:
+        """The lowest free pages, as few runs as the free space allows; None if too few."""
+        if npages > self.free_pages:
+            return None
+        runs: list[Extent] = []
+        pos = 0
+        while npages:
+            start = self._used.find(0, pos)
+            end = self._used.find(1, start)
+            n = min(npages, (len(self._used) if end < 0 else end) - start)
+            self._used[start : start + n] = b"\x01" * n
+            runs.append((start, n))
+            npages -= n
+            pos = start + n
+        self.free_pages -= sum(n for _, n in runs)
+        return tuple(runs)
+
+    def give(self, extents: tuple[Extent, ...]) -> None:
+        for start, n in extents:
+            self._used[start : start + n] = bytes(n)
+            self.free_pages += n
+
+    def claim(self, extents: tuple[Extent, ...]) -> bool:
+        """Mark exactly these pages used (adopting a job at start-up); False if any is taken."""
+        for i, (start, n) in enumerate(extents):
+            if n <= 0 or start + n > len(self._used) or any(self._used[start : start + n]):
+                self.give(extents[:i])
+                return False
+            self._used[start : start + n] = b"\x01" * n
+            self.free_pages -= n
+        return True
+
+    def free_runs(self) -> list[Extent]:
+        runs, pos = [], 0
+        while (start := self._used.find(0, pos)) >= 0:
+            end = self._used.find(1, start)
+            end = len(self._used) if end < 0 else end
+            runs.append((start, end - start))
+            pos = end
+        return runs
+
+
+class _Move:
+    """One snapshot, restore or reclaim in flight; at most one per job."""
+
+    def __init__(self) -> None:
+        self.abort = threading.Event()
+        self.done = threading.Event()
+
+    async def wait(self) -> None:
+        # Polling keeps waiters off the thread pool, which the moves themselves need.
+        while not self.done.is_set():
+            await asyncio.sleep(0.005)
+
+
+@dataclasses.dataclass
+class _Job:
+    name: str
+    ctl: CtlWriter
+    state: int
+    epoch: int
+    next_region: int
+    regions: dict[int, RegionRecord]
+    move: _Move | None = None
+
+
+class _Pacer:
+    """Holds a copy to the modelled bandwidth and stops it when its caller gives up."""
+
+    def __init__(self, bandwidth: float, abort: threading.Event) -> None:
+        self._bandwidth = bandwidth
+        self._abort = abort
+        self._start = time.perf_counter()
+        self.moved = 0
+
+    def advance(self, nbytes: int) -> None:
+        self.moved += nbytes
+        if self._abort.is_set():
+            raise _Aborted
+        if not self._bandwidth:
+            return
+        due = self._start + self.moved / self._bandwidth
+        while (left := due - time.perf_counter()) > 0:
+            if self._abort.wait(left):
+                raise _Aborted
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _read_exact(fd: int, buf: memoryview) -> None:
+    while buf:
+        n = os.readv(fd, [buf])
+        if n == 0:
+            raise OSError("parked file ended early")
+        buf = buf[n:]
+
+
+class SimBackend:
+    """Simulated GPUs backed by shared files under ``root``; see the module docstring."""
+
+    name = "sim"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        gpus: int,
+        capacity: int,
+        page_size: int = 2 << 20,
+        bandwidth: float = 25e9,
+    ) -> None:
+        if gpus < 1:
+            raise ValueError(f"gpus must be at least 1, not {gpus}")
+        if page_size <= 0 or page_size % mmap.PAGESIZE:
+            raise ValueError(f"page_size must be a positive multiple of {mmap.PAGESIZE}, not {page_size}")
+        if capacity <= 0 or capacity % page_size:
+            raise ValueError(f"capacity ({capacity}) must be a positive multiple of page_size ({page_size})")
+        if capacity // page_size >= 1 << 32:
+            raise ValueError(f"capacity / page_size must be under 2**32 pages, not {capacity // page_size}")
+        if bandwidth < 0:
+            raise ValueError(f"bandwidth must be >= 0 (0 = unlimited), not {bandwidth}")
+        self.root = Path(root).absolute()
+        self.gpus = gpus
+        self.capacity = capacity
+        self.page_size = page_size
+        self.bandwidth = bandwidth
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._recovered: dict[str, tuple[str, dict[int, int]]] = {}
+        self._arenas: list[mmap.mmap] = []
+        self._views: list[memoryview] = []
+        self._allocators = [_Allocator(capacity // page_size) for _ in range(gpus)]
+        self._can_punch = _MADV_REMOVE is not None
+        for d in (self.root, self.root / "jobs", self.root / "parked"):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # One daemon per root: the lock dies with its process, so a crashed daemon never blocks a new one.
+        lock_fd = os.open(self.root / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self._unlock = weakref.finalize(self, os.close, lock_fd)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._unlock()
+            raise errors.BackendError(f"sim root {self.root} is in use by another daemon") from None
+        try:
+            self._start_up()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- queries ---------------------------------------------------------------------
+
+    def devices(self) -> list[DeviceInfo]:
+        return [DeviceInfo(i, self.capacity, f"sim-gpu{i}") for i in range(self.gpus)]
+
+    def rounded(self, nbytes: int) -> int:
+        """``nbytes`` rounded up to whole pages: what an allocation really takes."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, not {nbytes}")
+        return -(-nbytes // self.page_size) * self.page_size
+
+    def free_bytes(self, gpu: int) -> int:
+        """Device memory of ``gpu`` that no region holds."""
+        self._check_gpu(gpu)
+        with self._lock:
+            return self._allocators[gpu].free_pages * self.page_size
+
+    def footprint(self, job: str) -> dict[int, int]:
+        """Rounded bytes per GPU of the job's regions, whether on the device or parked."""
+        with self._lock:
+            j = self._jobs.get(job)
+            out: dict[int, int] = {}
+            for r in j.regions.values() if j else ():
+                out[r.gpu] = out.get(r.gpu, 0) + self.rounded(r.nbytes)
+            return out
+
+    def job_state(self, job: str) -> str:
+        """One of resident, parked, faulted or unknown; a job mid-snapshot is still resident."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                return "unknown"
+            return "resident" if j.state == PARKING else STATE_NAMES[j.state]
+
+    def regions(self, job: str) -> list[RegionInfo]:
+        """The job's regions, so a daemon can hand them to clients again after a restart."""
+        with self._lock:
+            j = self._jobs.get(job)
+            return [self._info(job, r) for r in j.regions.values()] if j else []
+
+    def recovered_jobs(self) -> dict[str, tuple[str, dict[int, int]]]:
+        """Jobs adopted from the root at start-up: job -> (state, footprint)."""
+        return dict(self._recovered)
+
+    # --- allocation ------------------------------------------------------------------
+
+    def alloc(self, job: str, gpu: int, nbytes: int) -> RegionInfo:
+        """Give ``job`` a new zeroed region of ``nbytes`` on ``gpu`` (rounded up to pages)."""
+        self._check_open()
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be positive, not {nbytes}")
+        self._check_gpu(gpu)
+        npages = self.rounded(nbytes) // self.page_size
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is not None and j.state != RESIDENT:
+                raise errors.NotResident(
+                    f"job {job!r} is not on the device ({STATE_NAMES[j.state]}); restore it before allocating",
+                    job=job,
+                )
+            extents = self._allocators[gpu].take(npages)
+            if extents is None:
+                free = self._allocators[gpu].free_pages * self.page_size
+                raise errors.OutOfMemory(
+                    f"cannot allocate {nbytes} bytes ({npages * self.page_size} in pages) on gpu {gpu}: "
+                    f"{free} of {self.capacity} bytes free",
+                    gpu=gpu,
+                    requested=nbytes,
+                    free=free,
+                    capacity=self.capacity,
+                )
+            try:
+                self._punch(gpu, extents)  # new pages read as zeros
+                if j is None:
+                    j = self._new_job(job)
+                record = RegionRecord(j.next_region, gpu, nbytes, extents)
+                self._update(j, next_region=j.next_region + 1, regions={**j.regions, record.region: record})
+            except BaseException:
+                self._allocators[gpu].give(extents)
+                raise
+            return self._info(job, record)
+
+    def free(self, job: str, region: int) -> int:
+        """Drop one region, on the device or parked; returns its rounded size."""
+        with self._lock:
+            j = self._jobs.get(job)
+            record = j.regions.get(region) if j else None
+            if j is None or record is None:
+                raise errors.UnknownRegion(f"job {job!r} has no region {region}", job=job, region=region)
+            if j.move is not None:
+                raise errors.BackendError(f"job {job!r} is being moved; free region {region} after the move")
+            self._update(j, regions={k: v for k, v in j.regions.items() if k != region})
+            self._release_pages(record)
+            (parked_dir(self.root, job) / f"{region}.bin").unlink(missing_ok=True)
+        return self.rounded(record.nbytes)
+
+    # --- moves -----------------------------------------------------------------------
+
+    async def snapshot(self, job: str) -> MoveResult:
+        """Park the job: copy its regions to host files, then free its device pages.
+
+        A job that is unknown or already parked moves nothing. If the caller
+        is cancelled (a timeout) the copy stops and the job stays resident,
+        unless the move had already committed; ``job_state`` tells which.
+        """
+        return await self._move(job, self._snapshot)
+
+    async def restore(self, job: str) -> MoveResult:
+        """Put a parked job back on its devices (on whichever pages are free), then drop the host copy."""
+        return await self._move(job, self._restore)
+
+    async def reclaim(self, job: str) -> None:
+        """Forget the job: stop any move, free its pages, delete its parked files and control file."""
+        while True:
+            with self._lock:
+                j = self._jobs.get(job)
+                if j is None:
+                    return
+                busy = j.move
+                if busy is None:
+                    j.move = claim = _Move()
+                    break
+                busy.abort.set()
+            await busy.wait()
+        try:
+            with self._lock:
+                old = list(j.regions.values())
+                self._update(j, strict=False, state=RECLAIMED, epoch=j.epoch + 1, regions={})
+                for record in old:
+                    self._release_pages(record)
+                del self._jobs[job]
+                # Clear the job's paths now, so a new job of the same name can start at once.
+                ctl_path(self.root, job).unlink(missing_ok=True)
+                trash = self._discard(parked_dir(self.root, job))
+            if trash is not None:
+                await asyncio.to_thread(shutil.rmtree, trash, True)
+        finally:
+            claim.done.set()
+
+    def close(self) -> None:
+        """Stop moves in flight and unmap; parked files and control files stay for the next start."""
+        with self._lock:
+            moves = [j.move for j in self._jobs.values() if j.move is not None]
+        for m in moves:
+            m.abort.set()
+        for m in moves:
+            m.done.wait(timeout=60)
+        for view in self._views:
+            view.release()
+        for arena in self._arenas:
+            # A slice kept alive elsewhere (say, by a traceback) may still point in; it unmaps when that goes.
+            with contextlib.suppress(BufferError):
+                arena.close()
+        self._views, self._arenas = [], []
+        self._unlock()
+
+    async def _move(self, job: str, work: Callable[[_Job, _Move], MoveResult]) -> MoveResult:
+        self._check_open()
+        while True:
+            with self._lock:
+                j = self._jobs.get(job)
+                if j is None:
+                    return MoveResult(0, 0.0)
+                busy = j.move
+                if busy is None:
+                    j.move = claim = _Move()
+                    break
+            await busy.wait()
+        # The worker thread releases the claim, so a cancelled caller never leaves it dangling.
+        try:
+            return await asyncio.to_thread(work, j, claim)
+        except asyncio.CancelledError:
+            claim.abort.set()
+            raise
+
+    def _snapshot(self, j: _Job, move: _Move) -> MoveResult:
+        try:
+            with self._lock:
+                if j.state == PARKED:
+                    return MoveResult(0, 0.0)
+                self._raise_if_faulted(j)
+                self._update(j, state=PARKING, epoch=j.epoch + 1)  # clients stop touching it now
+                records = list(j.regions.values())
+            start = time.perf_counter()
+            try:
+                moved = self._write_parked(j, records, move)
+                with self._lock:
+                    parked = {k: dataclasses.replace(r, extents=()) for k, r in j.regions.items()}
+                    self._update(j, state=PARKED, epoch=j.epoch + 1, regions=parked)
+            except BaseException as exc:
+                shutil.rmtree(parked_dir(self.root, j.name), ignore_errors=True)
+                with self._lock:
+                    self._update(j, strict=False, state=RESIDENT, epoch=j.epoch + 1)
+                self._reraise("snapshot", j, exc)
+            with self._lock:  # only now, with the host copy committed, can the pages go
+                for record in records:
+                    self._release_pages(record)
+            return MoveResult(moved, time.perf_counter() - start)
+        finally:
+            self._finish(j, move)
+
+    def _restore(self, j: _Job, move: _Move) -> MoveResult:
+        try:
+            with self._lock:
+                if j.state == RESIDENT:
+                    return MoveResult(0, 0.0)
+                self._raise_if_faulted(j)
+                placed = self._take_pages(j)
+            start = time.perf_counter()
+            try:
+                moved = self._read_parked(j, placed, move)
+                with self._lock:
+                    self._update(j, state=RESIDENT, epoch=j.epoch + 1, regions={r.region: r for r in placed})
+            except BaseException as exc:
+                with self._lock:
+                    for record in placed:
+                        self._release_pages(record)
+                self._reraise("restore", j, exc)
+            shutil.rmtree(parked_dir(self.root, j.name), ignore_errors=True)
+            return MoveResult(moved, time.perf_counter() - start)
+        finally:
+            self._finish(j, move)
+
+    def _take_pages(self, j: _Job) -> list[RegionRecord]:
+        """New pages for every region of a parked job, all or nothing (under the lock)."""
+        placed: list[RegionRecord] = []
+        for r in j.regions.values():
+            extents = self._allocators[r.gpu].take(self.rounded(r.nbytes) // self.page_size)
+            if extents is None:
+                for done in placed:
+                    self._allocators[done.gpu].give(done.extents)
+                free = self._allocators[r.gpu].free_pages * self.page_size
+                raise errors.OutOfMemory(
+                    f"cannot restore job {j.name!r}: region {r.region} needs {self.rounded(r.nbytes)} bytes "
+                    f"on gpu {r.gpu}, {free} of {self.capacity} bytes free",
+                    gpu=r.gpu,
+                    requested=r.nbytes,
+                    free=free,
+                    capacity=self.capacity,
+                )
+            placed.append(dataclasses.replace(r, extents=extents))
+        for record in placed:
+            self._punch(record.gpu, record.extents)
+        return placed
+
+    def _write_parked(self, j: _Job, records: list[RegionRecord], move: _Move) -> int:
+        folder = parked_dir(self.root, j.name)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        pacer = _Pacer(self.bandwidth, move.abort)
+        for r in records:
+            tmp = folder / f"{r.region}.bin.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                for offset, n in self._chunks(r):
+                    _write_all(fd, self._views[r.gpu][offset : offset + n])
+                    pacer.advance(n)
+            finally:
+                os.close(fd)
+            os.rename(tmp, folder / f"{r.region}.bin")  # complete files only ever carry the final name
+        return pacer.moved
+
+    def _read_parked(self, j: _Job, placed: list[RegionRecord], move: _Move) -> int:
+        folder = parked_dir(self.root, j.name)
+        pacer = _Pacer(self.bandwidth, move.abort)
+        for r in placed:
+            path = folder / f"{r.region}.bin"
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if size != r.nbytes:
+                    raise errors.BackendError(f"parked copy {path} has {size} bytes, expected {r.nbytes}")
+                for offset, n in self._chunks(r):
+                    _read_exact(fd, self._views[r.gpu][offset : offset + n])
+                    pacer.advance(n)
+            finally:
+                os.close(fd)
+        return pacer.moved
+
+    def _chunks(self, r: RegionRecord) -> list[tuple[int, int]]:
+        """(arena offset, length) pieces covering the region's ``nbytes`` in order."""
+        out: list[tuple[int, int]] = []
+        left = r.nbytes
+        for page, count in r.extents:
+            start = page * self.page_size
+            end = start + min(count * self.page_size, left)
+            left -= end - start
+            out.extend((pos, min(_CHUNK, end - pos)) for pos in range(start, end, _CHUNK))
+        return out
+
+    def _finish(self, j: _Job, move: _Move) -> None:
+        with self._lock:
+            if j.move is move:
+                j.move = None
+        move.done.set()
+
+    def _reraise(self, kind: str, j: _Job, exc: BaseException) -> NoReturn:
+        """Raise a rolled-back move's error as the BackendError callers expect."""
+        if isinstance(exc, (_Aborted, OSError)):
+            # Drop the copy loop's frames: they hold slices of the arena, which would keep it mapped.
+            exc = exc.with_traceback(None)
+            why = "was abandoned by its caller" if isinstance(exc, _Aborted) else f"failed: {exc}"
+            raise errors.BackendError(f"{kind} of job {j.name!r} {why}") from exc
+        raise exc
+
+    # --- state and control files -----------------------------------------------------
+
+    def _new_job(self, job: str) -> _Job:
+        path = ctl_path(self.root, job)
+        slot = SlotData(RESIDENT, 0, 1, ())
+        try:
+            writer = CtlWriter.create(
+                path, job, gpus=self.gpus, capacity=self.capacity, page_size=self.page_size, slot=slot
+            )
+        except OSError as exc:
+            raise errors.BackendError(f"cannot create control file {path}: {exc}") from exc
+        j = self._jobs[job] = _Job(job, writer, RESIDENT, 0, 1, {})
+        return j
+
+    def _update(self, j: _Job, *, strict: bool = True, **changes: Any) -> None:
+        """Apply ``changes`` to the job and publish them in its control file (under the lock).
+
+        Strict updates are all-or-nothing: if the file cannot be written the
+        job keeps its old values and BackendError is raised. Rollbacks are not
+        strict: the daemon's own view must move on even if the file lags.
+        """
+        old = {name: getattr(j, name) for name in changes}
+        for name, value in changes.items():
+            setattr(j, name, value)
+        slot = SlotData(j.state, j.epoch, j.next_region, tuple(j.regions.values()))
+        try:
+            j.ctl.commit(slot)
+        except OSError as exc:
+            if strict:
+                for name, value in old.items():
+                    setattr(j, name, value)
+                raise errors.BackendError(f"cannot write control file {j.ctl.path}: {exc}") from exc
+
+    def _info(self, job: str, r: RegionRecord) -> RegionInfo:
+        return RegionInfo(
+            r.region,
+            r.gpu,
+            r.nbytes,
+            str(ctl_path(self.root, job)),
+            str(arena_path(self.root, r.gpu)),
+            self.page_size,
+        )
+
+    def _release_pages(self, r: RegionRecord) -> None:
+        """Return a region's pages (if it has any) to the host and to the allocator (under the lock)."""
+        if r.extents:
+            self._punch(r.gpu, r.extents)
+            self._allocators[r.gpu].give(r.extents)
+
+    def _punch(self, gpu: int, extents: tuple[Extent, ...]) -> None:
+        """Zero pages, handing their memory back to the host where the file system can."""
+        for page, count in extents:
+            start, length = page * self.page_size, count * self.page_size
+            if self._can_punch and _MADV_REMOVE is not None:
+                try:
+                    self._arenas[gpu].madvise(_MADV_REMOVE, start, length)
+                    continue
+                except OSError:
+                    self._can_punch = False  # e.g. a file system without hole punching
+            for pos in range(start, start + length, _CHUNK):
+                n = min(_CHUNK, start + length - pos)
+                self._views[gpu][pos : pos + n] = bytes(n)
+
+    def _discard(self, folder: Path) -> Path | None:
+        """Move a parked folder out of the way (instantly) so it can be deleted at leisure."""
+        trash = folder.with_name(f".trash-{folder.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            folder.rename(trash)
+        except FileNotFoundError:
+            return None
+        return trash
+
+    def _raise_if_faulted(self, j: _Job) -> None:
+        if j.state == FAULTED:
+            raise errors.JobFaulted(f"job {j.name!r} is faulted; its device state is lost", job=j.name)
+
+    def _check_open(self) -> None:
+        if not self._arenas:
+            raise errors.BackendError(f"the sim backend on {self.root} is closed")
+
+    def _check_gpu(self, gpu: int) -> None:
+        if not 0 <= gpu < self.gpus:
+            raise errors.UnknownDevice(f"gpu {gpu} does not exist; this node has gpus 0..{self.gpus - 1}", gpu=gpu)
+
+    # --- start-up: adopt what a previous daemon left -----------------------------------
+
+    def _start_up(self) -> None:
+        jobs_dir = self.root / "jobs"
+        for stray in jobs_dir.glob("*.tmp"):
+            stray.unlink(missing_ok=True)
+        found = []
+        for path in sorted(jobs_dir.glob("*.ctl")):
+            try:
+                found.append((path, *read_ctl(path)))
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"cannot read control file {path}: {exc}") from exc
+        for path, header, _, _ in found:
+            if (header.gpus, header.capacity, header.page_size) != (self.gpus, self.capacity, self.page_size):
+                raise ValueError(
+                    f"sim root {self.root} holds job state made with gpus={header.gpus}, "
+                    f"capacity={header.capacity}, page_size={header.page_size} ({path.name}); this backend "
+                    f"has gpus={self.gpus}, capacity={self.capacity}, page_size={self.page_size}. "
+                    "Start it with the same settings, or on a fresh root."
+                )
+        fresh = [self._open_arena(gpu, keep=bool(found)) for gpu in range(self.gpus)]
+        for path, header, slot, size in found:
+            if slot.state == RECLAIMED:  # the previous daemon died while forgetting it
+                path.unlink(missing_ok=True)
+                continue  # its parked folder, if any, is now nobody's and goes below
+            regions = {r.region: r for r in slot.regions}
+            j = _Job(header.job, CtlWriter.adopt(path, header, size), slot.state, slot.epoch, slot.next_region, regions)
+            state = self._adopted_state(j, fresh)
+            self._jobs[j.name] = j
+            if state != slot.state or header.gen % 2:
+                if state != RESIDENT:
+                    j.regions = {k: dataclasses.replace(r, extents=()) for k, r in j.regions.items()}
+                self._update(j, state=state, epoch=j.epoch + 1)
+            self._recovered[j.name] = (STATE_NAMES[state], self.footprint(j.name))
+        self._clean_parked()
+        for gpu, allocator in enumerate(self._allocators):
+            self._punch(gpu, tuple(allocator.free_runs()))
+
+    def _open_arena(self, gpu: int, *, keep: bool) -> bool:
+        """Map one device's arena; True if it was created empty (its old contents, if any, are gone)."""
+        path = arena_path(self.root, gpu)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            size = os.fstat(fd).st_size
+            if size != self.capacity:
+                if size and keep:
+                    raise ValueError(
+                        f"{path} is {size} bytes but this backend has capacity={self.capacity}; the sim root "
+                        "was made with other settings. Start it with the same settings, or on a fresh root."
+                    )
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, self.capacity)
+            self._arenas.append(mmap.mmap(fd, self.capacity))
+            self._views.append(memoryview(self._arenas[-1]))
+        finally:
+            os.close(fd)
+        return size != self.capacity
+
+    def _adopted_state(self, j: _Job, fresh: list[bool]) -> int:
+        """What an adopted job really is: its pages claimed if resident, its files checked if parked."""
+        if j.state in (RESIDENT, PARKING):
+            claimed: list[RegionRecord] = []
+            for r in j.regions.values():
+                pages = self.rounded(r.nbytes) // self.page_size
+                intact = r.gpu < self.gpus and not fresh[r.gpu] and sum(n for _, n in r.extents) == pages
+                if not (intact and self._allocators[r.gpu].claim(r.extents)):
+                    for done in claimed:
+                        self._allocators[done.gpu].give(done.extents)
+                    return FAULTED
+                claimed.append(r)
+            return RESIDENT  # a snapshot cut short: the device copy is still the complete one
+        if j.state == PARKED:
+            folder = parked_dir(self.root, j.name)
+            for r in j.regions.values():
+                path = folder / f"{r.region}.bin"
+                if not path.is_file() or path.stat().st_size != r.nbytes or r.gpu >= self.gpus:
+                    return FAULTED
+            return PARKED
+        return FAULTED
+
+    def _clean_parked(self) -> None:
+        """Remove host copies nobody owns: partial files, and leftovers of finished moves."""
+        by_key = {job_key(name): j for name, j in self._jobs.items()}
+        for folder in (self.root / "parked").iterdir():
+            j = by_key.get(folder.name)
+            if not folder.is_dir():
+                folder.unlink(missing_ok=True)
+            elif j is None or j.state not in (PARKED, FAULTED):
+                shutil.rmtree(folder, ignore_errors=True)
+            else:
+                keep = {f"{r}.bin" for r in j.regions}
+                for f in folder.iterdir():
+                    if f.is_dir():
+                        shutil.rmtree(f, ignore_errors=True)
+                    elif f.name not in keep:
+                        f.unlink()
