@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import struct
 import subprocess
 import sys

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .client import AsyncClient, Client, Grant  # noqa: E402
-from .errors import (  # noqa: E402
+from .client import AsyncClient, Client, Grant
+from .errors import (
     AcquireCancelled,
     AcquireTimeout,
     ConnectionLost,

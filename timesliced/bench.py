@@ -8,6 +8,7 @@ processes with ``time.perf_counter`` (CLOCK_MONOTONIC on Linux).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -176,7 +177,9 @@ def run_handoff(rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001) -> dic
     slices = sorted((acq, rel, fence, r["job"]) for r in records for acq, rel, fence in r["slices"])
     fences = [s[2] for s in slices]
     handoffs = [
-        (nxt[0] - prev[1]) * 1000 for prev, nxt in zip(slices, slices[1:]) if nxt[3] != prev[3] and nxt[2] == prev[2] + 1
+        (nxt[0] - prev[1]) * 1000
+        for prev, nxt in itertools.pairwise(slices)
+        if nxt[3] != prev[3] and nxt[2] == prev[2] + 1
     ]
     floor = loopback_rtt(min(rounds, 5000))
     p50 = _quantile(handoffs, 0.5)
@@ -191,7 +194,7 @@ def run_handoff(rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001) -> dic
         "ping_rtt_p50_ms": solo["ping_rtt_p50_ms"],
         "loopback_rtt_p50_ms": floor,
         "handoff_over_loopback": p50 / floor,
-        "fences_strictly_increasing": all(b > a for a, b in zip(fences, fences[1:])),
+        "fences_strictly_increasing": all(b > a for a, b in itertools.pairwise(fences)),
     }
 
 

@@ -38,8 +38,18 @@ class JobSpec:
 
 
 WORKLOAD = (
-    JobSpec("rl-math", "RL", 6, (("gpu", "rollout", 0.50), ("cpu", "reward", 0.45), ("gpu", "train", 0.35), ("cpu", "prep", 0.15))),
-    JobSpec("rl-code", "RL", 6, (("gpu", "rollout", 0.40), ("cpu", "reward", 0.55), ("gpu", "train", 0.30), ("cpu", "prep", 0.15))),
+    JobSpec(
+        "rl-math",
+        "RL",
+        6,
+        (("gpu", "rollout", 0.50), ("cpu", "reward", 0.45), ("gpu", "train", 0.35), ("cpu", "prep", 0.15)),
+    ),
+    JobSpec(
+        "rl-code",
+        "RL",
+        6,
+        (("gpu", "rollout", 0.40), ("cpu", "reward", 0.55), ("gpu", "train", 0.30), ("cpu", "prep", 0.15)),
+    ),
     JobSpec("sft-chat", "SFT", 10, (("gpu", "train", 0.35), ("cpu", "load", 0.30))),
 )
 
@@ -70,7 +80,7 @@ def worker(spec: dict[str, Any], address: str, scale: float) -> dict[str, Any]:
                             for size in spec["regions"]:
                                 regions.append(client.sim_alloc(size, gpu=gpu))
                     else:  # the kernel reads its weights: they must be exactly as left
-                        data_errors += sum(r.checksum() != e for r, e in zip(regions, expected))
+                        data_errors += sum(r.checksum() != e for r, e in zip(regions, expected, strict=False))
                     step += 1
                     for i, region in enumerate(regions):  # the kernel writes new state
                         region.fill(f"{spec['job']}:{step}:{i}|".encode())
@@ -176,9 +186,7 @@ def _ms(values: list[float]) -> float | None:
     return statistics.median(values) * 1000 if values else None
 
 
-def run_demo(
-    scale: float = 1.0, serial: bool = True, progress: Callable[[str], Any] | None = None
-) -> dict[str, Any]:
+def run_demo(scale: float = 1.0, serial: bool = True, progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Run the workload time-sliced (and serially); returns the figures."""
     say = progress or (lambda _msg: None)
     say(f"time-sliced: {len(WORKLOAD)} jobs on {GPUS} simulated GPUs of {GPU_MEMORY // MiB} MiB ...")

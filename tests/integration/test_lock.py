@@ -99,9 +99,10 @@ def test_acquire_timeout_leaves_queue_and_is_never_granted(daemon: EmbeddedDaemo
 
 def test_cancelled_async_acquire_leaves_queue_at_once(daemon: EmbeddedDaemon) -> None:
     async def scenario() -> None:
-        async with timesliced.AsyncClient(job="a", group="g", address=daemon.socket) as a, timesliced.AsyncClient(
-            job="b", group="g", address=daemon.socket
-        ) as b:
+        async with (
+            timesliced.AsyncClient(job="a", group="g", address=daemon.socket) as a,
+            timesliced.AsyncClient(job="b", group="g", address=daemon.socket) as b,
+        ):
             await a.acquire()
             task = asyncio.ensure_future(b.acquire())
             await asyncio.sleep(0.1)
@@ -215,3 +216,5 @@ def test_daemon_stop_fails_waiters_with_connection_lost(tmp_path: object) -> Non
     assert errs and isinstance(errs[0], errors.ConnectionLost)
     with pytest.raises(errors.ConnectionLost):
         a.release()
+    a.close()
+    b.close()

@@ -335,7 +335,9 @@ def open_socket(address: Address, timeout: float) -> socket.socket:
             return sock
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise errors.ConnectionLost(f"the timesliced daemon at {address} is not accepting connections") from None
+                raise errors.ConnectionLost(
+                    f"the timesliced daemon at {address} is not accepting connections"
+                ) from None
             time.sleep(0.01)
         except OSError as exc:
             raise errors.ConnectionLost(f"cannot reach the timesliced daemon at {address}: {exc}") from None

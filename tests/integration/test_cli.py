@@ -1,0 +1,116 @@
+"""The ``timesliced`` command as a user runs it: real daemon process, real clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import timesliced
+from timesliced.config import default_sim_dir
+
+from ..conftest import REPO, wait_for
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "timesliced", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    sock = str(tmp_path / "ts.sock")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "timesliced",
+            "serve",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--socket",
+            sock,
+            "--gpus",
+            "3",
+            "--gpu-memory",
+            "32MiB",
+            "--bandwidth",
+            "0",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        wait_for(lambda: cli("status", "--address", sock).returncode == 0, timeout=30, interval=0.1)
+        yield proc, sock
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        assert proc.stderr is not None
+        proc.stderr.close()
+        shutil.rmtree(default_sim_dir(tmp_path / "state"), ignore_errors=True)
+
+
+def test_serve_status_and_clean_shutdown(served: tuple[subprocess.Popen[str], str]) -> None:
+    proc, sock = served
+    with timesliced.Client(job="trainer", group="pool", address=sock) as c:
+        c.acquire()
+        c.sim_alloc(8 << 20, gpu=2)
+        status = json.loads(cli("status", "--json", "--address", sock).stdout)
+        assert [d["capacity"] for d in status["devices"]] == [32 << 20] * 3
+        (group,) = status["groups"]
+        assert group["holder"] == "trainer" and group["fence"] == 1 and group["gpus"] == [0, 1, 2]
+        assert status["devices"][2]["jobs"]["trainer"]["bytes"] == 8 << 20
+        text = cli("status", "--address", sock).stdout
+        assert "pool" in text and "holder=trainer" in text and "gpu2" in text
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+    assert not Path(sock).exists()
+
+
+def test_status_without_daemon_is_a_clear_error(tmp_path: Path) -> None:
+    result = cli("status", "--address", str(tmp_path / "none.sock"))
+    assert result.returncode == 1
+    assert "cannot reach the timesliced daemon" in result.stderr
+
+
+def test_second_daemon_on_same_socket_refuses(served: tuple[subprocess.Popen[str], str], tmp_path: Path) -> None:
+    _, sock = served
+    result = cli("serve", "--state-dir", str(tmp_path / "other"), "--socket", sock, timeout=30)
+    assert result.returncode == 1
+    assert "already serving" in result.stderr
+    shutil.rmtree(default_sim_dir(tmp_path / "other"), ignore_errors=True)
+
+
+def test_demo_json_runs_real_jobs() -> None:
+    result = cli("demo", "--json", "--scale", "0.15", timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["data_errors"] == 0
+    sliced, serial = report["timesliced"], report["serial"]
+    assert {j["job"] for j in sliced["jobs"]} == {"rl-math", "rl-code", "sft-chat"}
+    assert sliced["switches"] > 0 and serial["switches"] == 0
+    assert all(0 < g["duty_cycle"] <= 1 for g in sliced["gpus"])
+    assert report["speedup"] > 0
+
+
+def test_bench_handoff_prints_figures() -> None:
+    result = cli("bench", "handoff", "--rounds", "200", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    for key in ("handoff_p50_ms", "handoff_p99_ms", "acquire_release_per_s", "loopback_rtt_p50_ms"):
+        assert figures[key] > 0, key
+    assert figures["handoffs"] >= 150
+    assert figures["fences_strictly_increasing"]
