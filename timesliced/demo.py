@@ -224,7 +224,7 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{fmt(j['median_switch_ms'], ' ms'):>11} {fmt(j['median_wait_ms'], ' ms'):>10} {j['data_errors']:>11}"
             )
     if "speedup" in report:
-        lines += ["", f"time-sliced finished {report['speedup']:.2f}x faster than serial"]
+        lines += ["", f"speedup over serial: {report['speedup']:.2f}x (serial makespan / time-sliced makespan)"]
     lines.append(f"data errors: {report['data_errors']}")
     return "\n".join(lines)
 

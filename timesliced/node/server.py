@@ -13,18 +13,16 @@ import logging
 import os
 import socket
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from .. import errors
 from ..wire.codec import FrameDecoder, encode
 from ..wire.messages import PROTOCOL_VERSION, Push, Reply, parse_request, request_id_of
-from .compat import timeout
 
 log = logging.getLogger(__name__)
 
-READ_CHUNK = 1 << 16
 BACKLOG = 1024  # bursts of clients starting together (a whole job's ranks) must not see EAGAIN
 
 
@@ -42,12 +40,11 @@ class Peer:
 class Connection:
     id: int
     peer: Peer
-    writer: asyncio.StreamWriter
+    transport: asyncio.WriteTransport
     max_frame: int
     max_write_buffer: int
     hello: dict[str, Any] | None = None
     closed: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
 
     def send(self, message: dict[str, Any]) -> None:
         """Queue one frame; never blocks. A client that does not read is dropped."""
@@ -60,10 +57,11 @@ class Connection:
             if "id" not in message:
                 return
             frame = encode(Reply(message["id"], False, error=errors.InternalError(str(exc))).to_wire())
-        self.writer.write(frame)
-        if self.writer.transport.get_write_buffer_size() > self.max_write_buffer:
+        self.transport.write(frame)
+        if self.transport.get_write_buffer_size() > self.max_write_buffer:
             log.warning("connection %d: client is not reading its replies; closing it", self.id)
-            self.close()
+            self.transport.abort()
+            self.closed = True
 
     def reply(self, request_id: int, result: Any) -> None:
         self.send(Reply(request_id, True, result).to_wire())
@@ -75,9 +73,10 @@ class Connection:
         self.send(Push(event, data).to_wire())
 
     def close(self) -> None:
+        """Close after the queued frames (an error reply, say) are sent."""
         if not self.closed:
             self.closed = True
-            self.writer.close()
+            self.transport.close()
 
 
 class Handler(Protocol):
@@ -127,14 +126,16 @@ class ClientServer:
             if await _socket_answers(path):
                 raise errors.TimeslicedError(f"another daemon is already serving {path}")
             path.unlink()
-        server = await asyncio.start_unix_server(self._serve_unix, path=str(path), limit=READ_CHUNK, backlog=BACKLOG)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_unix_server(lambda: _Wire(self, "unix"), path=str(path), backlog=BACKLOG)
         os.chmod(path, 0o660)  # the owner and its group; see the README on sharing a node
         self._servers.append(server)
         self.addresses.append(str(path))
 
     async def start_tcp(self, host: str, port: int) -> tuple[str, int]:
         """Bind a TCP listener (port 0 picks one); returns the bound address."""
-        server = await asyncio.start_server(self._serve_tcp, host=host, port=port, limit=READ_CHUNK, backlog=BACKLOG)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _Wire(self, "tcp"), host=host, port=port, backlog=BACKLOG)
         self._servers.append(server)
         bound = server.sockets[0].getsockname()
         self.addresses.append(f"{bound[0]}:{bound[1]}")
@@ -148,67 +149,48 @@ class ClientServer:
         for server in self._servers:
             await server.wait_closed()
 
-    async def _serve_unix(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
-        pid = uid = None
-        if sock is not None and hasattr(socket, "SO_PEERCRED"):
+    def accept(self, transport: asyncio.Transport, kind: str) -> Connection | None:
+        peer = Peer(kind)
+        sock = transport.get_extra_info("socket")
+        if kind == "unix" and sock is not None and hasattr(socket, "SO_PEERCRED"):
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            pid, uid, _gid = struct.unpack("3i", creds)
-        await self._serve(reader, writer, Peer("unix", pid, uid, "local"))
-
-    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        address = writer.get_extra_info("peername")
-        await self._serve(reader, writer, Peer("tcp", address=f"{address[0]}:{address[1]}" if address else ""))
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer) -> None:
-        conn = Connection(next(self._ids), peer, writer, self.max_frame, self.max_write_buffer)
+            peer.pid, peer.uid, _gid = struct.unpack("3i", creds)
+        elif kind == "tcp":
+            address = transport.get_extra_info("peername")
+            peer.address = f"{address[0]}:{address[1]}" if address else ""
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Connection(next(self._ids), peer, transport, self.max_frame, self.max_write_buffer)
         if len(self.connections) >= self.max_connections:
             self.counters["refused"] += 1
             conn.fail(None, errors.LimitExceeded(f"the daemon already serves {self.max_connections} connections"))
             conn.close()
-            return
+            return None
         self.counters["accepted"] += 1
         self.connections[conn.id] = conn
-        try:
-            await self._read_loop(reader, conn)
-        except (ConnectionError, OSError):
-            pass  # the client went away; nothing to answer
-        finally:
-            self.connections.pop(conn.id, None)
-            if conn.hello is not None:
-                try:
-                    self.handler.close_connection(conn)
-                except Exception:
-                    log.exception("connection %d: cleanup failed", conn.id)
-            conn.close()
+        return conn
 
-    async def _read_loop(self, reader: asyncio.StreamReader, conn: Connection) -> None:
-        decoder = FrameDecoder(self.max_frame)
-        while not conn.closed:
-            # Waiting for a grant can take hours, so an idle connection may stay
-            # silent; but a frame that has started must finish, and a new
-            # connection must introduce itself.
-            limit = self.handshake_timeout if conn.hello is None else (self.stall_timeout if decoder.pending else None)
+    def lost(self, conn: Connection) -> None:
+        conn.closed = True
+        self.connections.pop(conn.id, None)
+        if conn.hello is not None:
             try:
-                async with timeout(limit):
-                    data = await reader.read(READ_CHUNK)
-            except TimeoutError:
-                what = "say hello" if conn.hello is None else "finish its frame"
-                log.info("connection %d: did not %s within %.1fs; closing", conn.id, what, limit or 0)
-                conn.fail(None, errors.ProtocolError(f"timed out waiting for the client to {what}"))
+                self.handler.close_connection(conn)
+            except Exception:
+                log.exception("connection %d: cleanup failed", conn.id)
+
+    def received(self, conn: Connection, decoder: FrameDecoder, data: bytes) -> None:
+        try:
+            messages = decoder.feed(data)
+        except errors.ProtocolError as exc:
+            self.counters["protocol_errors"] += 1
+            conn.fail(None, exc)  # the stream cannot be resynchronised: answer, then close
+            conn.close()
+            return
+        for message in messages:
+            self._dispatch(conn, message)
+            if conn.closed:
                 return
-            if not data:
-                return
-            try:
-                messages = decoder.feed(data)
-            except errors.ProtocolError as exc:
-                self.counters["protocol_errors"] += 1
-                conn.fail(None, exc)  # the stream cannot be resynchronised: answer, then close
-                return
-            for message in messages:
-                self._dispatch(conn, message)
-                if conn.closed:
-                    return
 
     def _dispatch(self, conn: Connection, message: dict[str, Any]) -> None:
         rid = request_id_of(message)
@@ -242,6 +224,70 @@ class ClientServer:
         conn.hello = args
         self.handler.open_connection(conn)
         return {"version": PROTOCOL_VERSION, "node": self.node, "backend": self.backend, "session": conn.id}
+
+
+class _Wire(asyncio.Protocol):
+    """One connection's transport callbacks: bytes in, frames out, timers.
+
+    Requests are handled right in ``data_received``, so a reply (or a grant
+    for another connection) is written within the same loop iteration.
+    """
+
+    def __init__(self, server: ClientServer, kind: str) -> None:
+        self.server = server
+        self.kind = kind
+        self.conn: Connection | None = None
+        self.decoder = FrameDecoder(server.max_frame)
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_for = ""  # what the armed timer waits for the client to do
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.conn = self.server.accept(transport, self.kind)
+        if self.conn is not None:
+            self._arm(self.server.handshake_timeout, "say hello")
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        if conn is None or conn.closed:
+            return
+        self.server.received(conn, self.decoder, data)
+        # Waiting for a grant can take hours, so an idle connection may stay
+        # silent; but a new connection must introduce itself, and a frame that
+        # has started must finish.
+        if conn.closed:
+            self._disarm()
+        elif conn.hello is None:
+            pass  # the handshake timer keeps running
+        elif self.decoder.pending:
+            if self.timer is None or self.timer_for != "finish its frame":
+                self._arm(self.server.stall_timeout, "finish its frame")
+        else:
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self.conn is not None:
+            self.server.lost(self.conn)
+
+    def _arm(self, delay: float, what: str) -> None:
+        self._disarm()
+        self.timer_for = what
+        self.timer = asyncio.get_running_loop().call_later(delay, self._expired, delay, what)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _expired(self, delay: float, what: str) -> None:
+        self.timer = None
+        conn = self.conn
+        if conn is None or conn.closed:
+            return
+        log.info("connection %d: did not %s within %.1fs; closing", conn.id, what, delay)
+        conn.fail(None, errors.ProtocolError(f"timed out waiting for the client to {what}"))
+        conn.close()
 
 
 async def _socket_answers(path: Path) -> bool:
