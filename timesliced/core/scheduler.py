@@ -8,6 +8,9 @@ Invariants (``check_invariants``), kept after every input:
 
 - a group has at most one holding job, and that job is resident and not faulted;
 - each group's queue is in arrival order (FIFO) and holds a job at most once;
+  a faulted or exiting job never waits (its waiters are failed at once);
+- a job that is parking or restoring has exactly one move in flight, and a
+  job being reclaimed (exiting) never starts a move;
 - fences grow strictly with every new grant of a group;
 - on every GPU the bytes of jobs that occupy it (resident, parking, restoring)
   never exceed its capacity: a restore is started only once the memory is free.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -234,21 +238,50 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any invariant is broken (used by tests)."""
+        moving = {m.job: m for m in self._moves.values() if m.kind != "reclaim"}
+        assert len(moving) == len([m for m in self._moves.values() if m.kind != "reclaim"]), "two moves of one job"
         for g in self.groups.values():
             if g.holder is not None:
                 holder = self.jobs[g.holder]
                 assert holder.group == g.name
                 assert holder.location is Location.RESIDENT and not holder.faulted, (g.name, holder)
+                assert not holder.exiting, f"exiting job {holder.name} holds {g.name}"
+                assert g.holder_sessions and g.holder_sessions <= holder.sessions, (g.name, g.holder_sessions)
                 assert g.switch is None
+            else:
+                assert not g.holder_sessions
             names = [w.job for w in g.queue]
             assert len(names) == len(set(names)), f"job queued twice in {g.name}: {names}"
-            assert all(a.enqueued_at <= b.enqueued_at for a, b in zip(g.queue, g.queue[1:])), "queue not FIFO"
+            assert all(a.enqueued_at <= b.enqueued_at for a, b in itertools.pairwise(g.queue)), "not FIFO"
             assert all(w.tickets for w in g.queue), "empty waiter left in queue"
             assert g.holder not in names, "holder is also queued"
+            for w in g.queue:
+                job = self.jobs[w.job]
+                assert job.group == g.name and not job.faulted and not job.exiting, (g.name, job)
+                assert all(self.sessions.get(t[0]) == job.name for t in w.tickets), (g.name, w)
+            if g.switch is not None:
+                assert g.switch.pending, f"switch of {g.name} has nothing in flight"
+                assert all(op in self._moves for op in g.switch.pending)
+        for name, job in self.jobs.items():
+            move = moving.get(name)
+            if job.location is Location.PARKING:
+                assert move is not None and move.kind == "snapshot", (name, move)
+            elif job.location is Location.RESTORING:
+                assert move is not None and move.kind == "restore", (name, move)
+                g = self.groups[job.group]
+                assert g.switch is not None and g.switch.incoming == name and g.switch.restoring, name
+            else:
+                assert move is None, (name, move)
+        for m in self._moves.values():
+            if m.kind == "reclaim":
+                assert self.jobs[m.job].exiting
         for gpu, cap in self.capacities.items():
             assert self.used(gpu) <= cap, f"gpu {gpu} over capacity: {self.used(gpu)} > {cap}"
         for s, name in self.sessions.items():
             assert s in self.jobs[name].sessions
+        for job in self.jobs.values():
+            assert all(self.sessions.get(s) == job.name for s in job.sessions), job.name
+            assert all(n >= 0 for n in job.footprint.values()), job.name
 
     # --- events ----------------------------------------------------------------------
 
@@ -299,8 +332,7 @@ class Scheduler:
 
     def _on_acquire(self, ev: AcquireRequested, now: float) -> None:
         job = self.job_of(ev.session)
-        if job.faulted:
-            raise errors.JobFaulted(f"job {job.name!r} is faulted: {job.faulted}")
+        self._check_usable(job)
         group = self.groups[job.group]
         ticket = (ev.session, ev.request_id)
         if group.holder == job.name:
@@ -331,7 +363,11 @@ class Scheduler:
     def _on_release(self, ev: ReleaseRequested, now: float) -> dict[str, Any]:
         job = self.job_of(ev.session)
         group = self.groups[job.group]
-        if group.holder != job.name or ev.session not in group.holder_sessions:
+        if group.holder == job.name and ev.session not in group.holder_sessions:
+            raise errors.NotHolder(
+                f"this connection does not hold group {group.name!r}: job {job.name!r} holds it through another"
+            )
+        if group.holder != job.name:
             holder = f"job {group.holder!r}" if group.holder else "nobody"
             raise errors.NotHolder(f"job {job.name!r} does not hold group {group.name!r} ({holder} does)")
         held_s = now - group.held_since
@@ -341,12 +377,13 @@ class Scheduler:
         return {"group": group.name, "fence": group.fence, "held_s": held_s}
 
     def _on_memory_requested(self, ev: MemoryRequested, now: float) -> None:
+        if ev.nbytes < 0:
+            raise ValueError(f"cannot allocate {ev.nbytes} bytes")
         job = self.job_of(ev.session)
         group = self.groups[job.group]
         if ev.gpu not in group.gpus:
             raise errors.UnknownDevice(f"GPU {ev.gpu} is not in group {group.name!r} (GPUs {list(group.gpus)})")
-        if job.faulted:
-            raise errors.JobFaulted(f"job {job.name!r} is faulted: {job.faulted}")
+        self._check_usable(job)
         if job.location is not Location.RESIDENT:
             raise errors.NotResident(f"job {job.name!r} is {job.location.value}; acquire the lock first")
         ticket = (ev.session, ev.request_id)
@@ -361,6 +398,8 @@ class Scheduler:
         self._reserve(job, ev.gpu, ev.nbytes, ticket)
 
     def _on_memory_released(self, ev: MemoryReleased, now: float) -> None:
+        if ev.nbytes < 0:
+            raise ValueError(f"cannot free {ev.nbytes} bytes")
         job = self.jobs.get(ev.job)
         if job is None:
             return
@@ -373,9 +412,10 @@ class Scheduler:
             job.footprint.pop(ev.gpu, None)
 
     def _on_move_finished(self, ev: MoveFinished, now: float) -> None:
-        move = self._moves.pop(ev.op, None)
-        if move is None or move.kind == "reclaim":
+        move = self._moves.get(ev.op)
+        if move is None or move.kind == "reclaim":  # checked before popping: a raising event changes nothing
             raise ValueError(f"no snapshot or restore with op {ev.op}")
+        del self._moves[ev.op]
         job = self.jobs[move.job]
         job.bytes_moved += ev.nbytes
         group = self.groups[job.group]
@@ -411,10 +451,12 @@ class Scheduler:
             return
         job.exiting = True
         group = self.groups[job.group]
-        for w in list(group.queue):
-            if w.job == job.name:
-                for ticket in list(w.tickets):
-                    self._drop_ticket(group, w, ticket)
+        gone = errors.JobFaulted(f"job {job.name!r} exited")
+        self._fail_waiters(job, gone)
+        # Answer its memory requests now: once reclaimed, a new job may take the same name.
+        for p in [p for p in self._pending_allocs if p.job == job.name]:
+            self._pending_allocs.remove(p)
+            self._emit(FailRequest(p.ticket, gone))
         if group.holder == job.name:
             self._yield(group, now)
         if job.location in (Location.RESIDENT, Location.PARKED):
@@ -422,9 +464,10 @@ class Scheduler:
         # else: reclaimed when its move finishes
 
     def _on_reclaim_finished(self, ev: ReclaimFinished, now: float) -> None:
-        move = self._moves.pop(ev.op, None)
-        if move is None or move.kind != "reclaim":
+        move = self._moves.get(ev.op)
+        if move is None or move.kind != "reclaim":  # checked before popping: a raising event changes nothing
             raise ValueError(f"no reclaim with op {ev.op}")
+        del self._moves[ev.op]
         job = self.jobs.pop(move.job)
         for s in job.sessions:
             self.sessions.pop(s, None)
@@ -450,14 +493,9 @@ class Scheduler:
 
     def _advance(self, group: Group, now: float) -> None:
         """Grant the head of the queue, or start the switch it needs."""
-        while group.holder is None and group.switch is None and group.queue:
+        if group.holder is None and group.switch is None and group.queue:
             head = group.queue[0]
-            job = self.jobs[head.job]
-            if job.faulted:
-                for ticket in list(head.tickets):
-                    self._drop_ticket(group, head, ticket)
-                    self._emit(FailRequest(ticket, errors.JobFaulted(f"job {job.name!r} is faulted: {job.faulted}")))
-                continue
+            job = self.jobs[head.job]  # never faulted or exiting: those leave the queue at once
             if job.location is Location.RESIDENT:
                 self._grant(group, head, now, switch_s=0.0, restored=False)
                 return
@@ -478,7 +516,11 @@ class Scheduler:
         switch = group.switch
         assert switch is not None
         job = self.jobs.get(switch.incoming)
-        if switch.restoring or job is None or job.faulted or job.exiting or job.location is not Location.PARKED:
+        # The incoming job may have left the queue (cancel, timeout, closed session,
+        # exit) while others were parked for it: restoring it now would only delay
+        # the new head of the queue.
+        wanted = bool(group.queue) and group.queue[0].job == switch.incoming
+        if switch.restoring or not wanted or job is None or job.faulted or job.location is not Location.PARKED:
             self._finish_switch(group, now)
             return
         victims = self._plan_evictions(job_footprint_missing(job), exclude={job.name})
@@ -545,8 +587,8 @@ class Scheduler:
     def _plan_evictions(self, need: dict[int, int], exclude: set[str]) -> list[Job] | None:
         """Idle resident jobs to park so that ``need`` (gpu -> bytes) fits, or None.
 
-        Holders, jobs on the move, faulted jobs and ``exclude`` are never
-        evicted; among the rest the least recently granted go first.
+        Holders, jobs on the move, faulted or exiting jobs and ``exclude`` are
+        never evicted; among the rest the least recently granted go first.
         """
         holders = {g.holder for g in self.groups.values() if g.holder is not None}
         incoming = {g.switch.incoming for g in self.groups.values() if g.switch is not None}
@@ -556,6 +598,8 @@ class Scheduler:
                 for j in self.jobs.values()
                 if j.location is Location.RESIDENT
                 and not j.faulted
+                # an exiting job is being reclaimed: parking it would race the reclaim
+                and not j.exiting
                 and j.name not in exclude | holders | incoming
                 and any(j.footprint.get(gpu, 0) for gpu in need)
             ),
@@ -587,7 +631,7 @@ class Scheduler:
                 still.append(p)
                 continue
             job = self.jobs.get(p.job)
-            if job is None or job.location is not Location.RESIDENT or job.faulted:
+            if job is None or job.location is not Location.RESIDENT or job.faulted or job.exiting:
                 self._emit(FailRequest(p.ticket, errors.NotResident(f"job {p.job!r} was parked while allocating")))
             elif p.nbytes > self.capacities[p.gpu] - self.used(p.gpu):
                 self._emit(FailRequest(p.ticket, errors.OutOfMemory(self._oom_message(p.gpu, p.nbytes, p.job))))
@@ -631,6 +675,21 @@ class Scheduler:
     def _fault(self, job: Job, reason: str) -> None:
         job.faulted = reason
         self._emit(NotifyJob(job.name, "faulted", {"job": job.name, "reason": reason}))
+        # A faulted job is never granted again: tell its waiters now rather than when it reaches the head.
+        self._fail_waiters(job, errors.JobFaulted(f"job {job.name!r} is faulted: {reason}"))
+
+    def _fail_waiters(self, job: Job, error: errors.TimeslicedError) -> None:
+        group = self.groups[job.group]
+        for w in [w for w in group.queue if w.job == job.name]:
+            for ticket in list(w.tickets):
+                self._drop_ticket(group, w, ticket)
+                self._emit(FailRequest(ticket, error))
+
+    def _check_usable(self, job: Job) -> None:
+        if job.faulted:
+            raise errors.JobFaulted(f"job {job.name!r} is faulted: {job.faulted}")
+        if job.exiting:
+            raise errors.JobFaulted(f"job {job.name!r} exited; its state is being reclaimed")
 
     def _emit(self, effect: Effect) -> None:
         self._effects.append(effect)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 
 from ..errors import FrameTooLarge, MalformedMessage
 

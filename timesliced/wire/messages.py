@@ -76,7 +76,8 @@ def parse_incoming(msg: dict[str, Any]) -> Reply | Push:
             raise MalformedMessage("malformed push from daemon")
         return Push(event, data)
     rid, ok = msg.get("id"), msg.get("ok")
-    if not isinstance(rid, int) or not isinstance(ok, bool):
+    # bool is an int subclass and True == 1: a reply with id true must not answer request 1
+    if not isinstance(rid, int) or isinstance(rid, bool) or not isinstance(ok, bool):
         raise MalformedMessage("malformed reply from daemon")
     if ok:
         return Reply(rid, True, msg.get("result"))

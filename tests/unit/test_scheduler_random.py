@@ -1,0 +1,515 @@
+"""Random workloads against the scheduler core, checked against a small model.
+
+A ``Run`` drives one scheduler with random sessions doing random things, moves
+finishing in random order (some failing) and time advancing. The model keeps
+what a client could observe (who waits in which order, who holds, what was
+answered) and, after every step, the core must agree with it:
+
+- ``check_invariants()`` holds;
+- every ticket is answered at most once, never after it was cancelled, timed
+  out or its session closed;
+- new grants go to the head of the modelled queue (FIFO) and their fences
+  strictly increase per group; ``again`` grants repeat the holder's fence;
+- the core's queues and holders equal the model's;
+- no GPU is ever over capacity;
+- an input that raises changes nothing and emits nothing.
+
+At the end the run is quiesced (every move finishes, holders yield, faulted
+jobs exit): every queue must drain, so no group can get stuck.
+
+The same driver runs under hypothesis (shrinkable choices) and as long seeded
+runs that reach deeper states.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from timesliced import errors
+from timesliced.core.events import (
+    AcquireCancelled,
+    AcquireRequested,
+    AllocateRegion,
+    Effect,
+    Event,
+    FailRequest,
+    GrantLock,
+    JobExited,
+    JobRegistered,
+    MemoryReleased,
+    MemoryRequested,
+    MoveFinished,
+    NotifyJob,
+    ReclaimFinished,
+    ReclaimJob,
+    ReleaseRequested,
+    RestoreJob,
+    SessionClosed,
+    SnapshotJob,
+    Ticket,
+)
+from timesliced.core.scheduler import Location, Scheduler, job_footprint_missing
+
+CAPACITIES = {0: 100, 1: 100, 2: 100}
+GROUPS = {"g0": (0, 1), "g1": (1, 2), "g2": (0,)}  # g0 shares GPU 0 with g2 and GPU 1 with g1
+JOBS = {"a": "g0", "b": "g0", "c": "g0", "j": "g0", "d": "g1", "e": "g1", "f": "g2", "h": "g2", "i": "g2"}
+MAX_WAITERS = 2  # g0 has four jobs: one holds, two wait, the fourth is refused
+
+
+class Run:
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.s = Scheduler(CAPACITIES, max_waiters=MAX_WAITERS)
+        self.now = 0.0
+        self.next_sid = 1
+        self.next_rid = 1
+        self.sessions: dict[int, str | None] = {}  # open sessions -> registered job
+        self.waiting: dict[str, dict[Ticket, float | None]] = {}  # job -> its waiting tickets -> deadline
+        self.queues: dict[str, list[str]] = {}  # group -> waiting jobs in arrival order
+        self.holders: dict[str, tuple[str, set[int]]] = {}  # group -> (job, sessions that acquired)
+        self.fences: dict[str, int] = {}
+        self.answered: set[Ticket] = set()
+        self.dead: set[Ticket] = set()  # its session closed: never answered
+        self.allocs: dict[Ticket, str] = {}  # memory requests not answered yet -> job
+        self.moves: dict[int, str] = {}
+        self.reclaims: dict[int, str] = {}
+        self.grants = 0
+        # what the current step expects
+        self.cancelled: Ticket | None = None
+        self.again: Ticket | None = None
+        self.timers_ran = False
+
+    # --- plumbing ----------------------------------------------------------------------
+
+    def snapshot_state(self) -> tuple[Any, ...]:
+        s = self.s
+        return (
+            s.describe(self.now),
+            repr(s.groups),
+            repr(s.jobs),
+            repr(s.sessions),
+            repr(s._moves),
+            repr(s._pending_allocs),
+            sorted(s._deadlines),
+        )
+
+    def feed(self, event: Event, expect: type[Exception] | None = None) -> Any:
+        """Feed ``event``; if it raises, it must be ``expect`` and change nothing."""
+        before = self.snapshot_state()
+        try:
+            result = self.s.handle(event, self.now)
+        except (errors.TimeslicedError, ValueError) as exc:
+            assert expect is not None and isinstance(exc, expect), (event, exc, expect)
+            assert self.snapshot_state() == before, f"{event} raised {exc!r} but changed the scheduler"
+            assert self.s.drain() == [], f"{event} raised {exc!r} but emitted effects"
+            return exc
+        assert expect is None, f"{event} should have raised {expect.__name__}"
+        return result
+
+    def job_of(self, sid: int) -> str | None:
+        return self.sessions.get(sid)
+
+    def group_of(self, job: str) -> str:
+        return self.s.jobs[job].group
+
+    def leave_queue(self, job: str, ticket: Ticket) -> None:
+        tickets = self.waiting[job]
+        del tickets[ticket]
+        if not tickets:
+            del self.waiting[job]
+            self.queues[self.group_of(job)].remove(job)
+
+    def ticket_job(self, ticket: Ticket) -> str | None:
+        for job, tickets in self.waiting.items():
+            if ticket in tickets:
+                return job
+        return None
+
+    # --- steps ------------------------------------------------------------------------
+
+    def step(self) -> None:
+        self.cancelled = self.again = None
+        self.timers_ran = False
+        actions = [
+            (self.register, 6),
+            (self.acquire, 18),
+            (self.cancel, 3),
+            (self.release, 7),
+            (self.close, 2),
+            (self.alloc, 8),
+            (self.free, 4),
+            (self.exit, 2),
+            (self.finish_move, 16),
+            (self.finish_reclaim, 3),
+            (self.tick, 6),
+            (self.misuse, 1),
+        ]
+        action = self.rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
+        action()
+        self.absorb(self.s.drain())
+        self.check()
+
+    def register(self) -> None:
+        unbound = [sid for sid, job in self.sessions.items() if job is None]
+        if unbound and self.rng.random() < 0.5:
+            sid = self.rng.choice(unbound)
+        elif self.sessions and self.rng.random() < 0.05:
+            sid = self.rng.choice(list(self.sessions))  # maybe registered already
+        else:
+            sid = self.next_sid
+            self.next_sid += 1
+            self.sessions[sid] = None
+        job = self.rng.choice(list(JOBS))
+        group = JOBS[job]
+        gpus = self.rng.choices([GROUPS[group], None, (2,)], [17, 2, 1])[0]
+        expect: type[Exception] | None = None
+        core_job = self.s.jobs.get(job)
+        core_group = self.s.groups.get(group)
+        if self.sessions[sid] is not None:
+            expect = errors.AlreadyRegistered
+        elif core_group is not None and gpus is not None and tuple(sorted(set(gpus))) != core_group.gpus:
+            expect = errors.GroupMismatch
+        elif core_job is not None and core_job.exiting:
+            expect = errors.JobFaulted
+        if self.feed(JobRegistered(sid, job, group, gpus, (sid,)), expect) is not None and expect is None:
+            self.sessions[sid] = job
+
+    def bound_session(self) -> int | None:
+        """A registered session, mostly one whose job is neither faulted nor exiting."""
+        bound = [sid for sid, job in self.sessions.items() if job is not None]
+        usable = [sid for sid in bound if not (j := self.s.jobs[self.sessions[sid] or ""]).faulted and not j.exiting]
+        if usable and self.rng.random() < 0.9:
+            return self.rng.choice(usable)
+        return self.rng.choice(bound) if bound else None
+
+    def acquire(self) -> None:
+        sid = self.bound_session()
+        if sid is None:
+            return
+        job = self.job_of(sid)
+        assert job is not None
+        group = self.group_of(job)
+        rid = self.next_rid
+        self.next_rid += 1
+        deadline = None if self.rng.random() < 0.5 else self.now + self.rng.uniform(0.1, 4.0)
+        core = self.s.jobs[job]
+        holder = self.holders.get(group)
+        expect: type[Exception] | None = None
+        if core.faulted or core.exiting:
+            expect = errors.JobFaulted
+        elif (
+            (holder is None or holder[0] != job)
+            and job not in self.queues.get(group, [])
+            and len(self.queues.get(group, [])) >= MAX_WAITERS
+        ):
+            expect = errors.LimitExceeded
+        self.feed(AcquireRequested(sid, rid, deadline), expect)
+        if expect is not None:
+            return
+        if holder is not None and holder[0] == job:
+            self.again = (sid, rid)
+            return
+        queue = self.queues.setdefault(group, [])
+        if job not in queue:
+            queue.append(job)
+        self.waiting.setdefault(job, {})[(sid, rid)] = deadline
+
+    def cancel(self) -> None:
+        waiting = [t for tickets in self.waiting.values() for t in tickets]
+        if waiting and self.rng.random() < 0.8:
+            ticket = self.rng.choice(waiting)
+        else:
+            sid = self.bound_session()
+            if sid is None:
+                return
+            ticket = (sid, self.rng.randrange(1, self.next_rid + 1))
+        job = self.ticket_job(ticket)
+        expect = errors.NotRegistered if self.job_of(ticket[0]) is None else None
+        result = self.feed(AcquireCancelled(*ticket), expect)
+        if expect is None:
+            assert result == {"cancelled": job is not None}, (ticket, result)
+            if job is not None:
+                self.cancelled = ticket
+
+    def release(self) -> None:
+        holding = [sid for _, sessions in self.holders.values() for sid in sessions]
+        sid = self.rng.choice(holding) if holding and self.rng.random() < 0.8 else self.bound_session()
+        if sid is None:
+            return
+        job = self.job_of(sid)
+        assert job is not None
+        group = self.group_of(job)
+        holder = self.holders.get(group)
+        if holder is not None and holder[0] == job and sid in holder[1]:
+            self.feed(ReleaseRequested(sid))
+            holder[1].discard(sid)
+            if not holder[1]:
+                del self.holders[group]
+        else:
+            self.feed(ReleaseRequested(sid), errors.NotHolder)
+
+    def close(self) -> None:
+        if not self.sessions:
+            return
+        sid = self.rng.choice(list(self.sessions))
+        self.feed(SessionClosed(sid))
+        del self.sessions[sid]
+        for job, tickets in list(self.waiting.items()):
+            for ticket in [t for t in tickets if t[0] == sid]:
+                self.dead.add(ticket)
+                self.leave_queue(job, ticket)
+        for ticket in [t for t in self.allocs if t[0] == sid]:
+            self.dead.add(ticket)
+            del self.allocs[ticket]
+        for group, (_, sessions) in list(self.holders.items()):
+            sessions.discard(sid)
+            if not sessions:
+                del self.holders[group]
+
+    def alloc(self) -> None:
+        sid = self.bound_session()
+        if sid is None:
+            return
+        job = self.job_of(sid)
+        assert job is not None
+        core = self.s.jobs[job]
+        gpus = self.s.groups[core.group].gpus
+        gpu = self.rng.choice(gpus if self.rng.random() < 0.9 else list(CAPACITIES))
+        nbytes = self.rng.randint(1, 70)
+        rid = self.next_rid
+        self.next_rid += 1
+        expect: type[Exception] | None = None
+        if gpu not in gpus:
+            expect = errors.UnknownDevice
+        elif core.faulted or core.exiting:
+            expect = errors.JobFaulted
+        elif core.location is not Location.RESIDENT:
+            expect = errors.NotResident
+        elif nbytes > CAPACITIES[gpu] - self.s.used(gpu) and self.s._plan_evictions({gpu: nbytes}, {job}) is None:
+            expect = errors.OutOfMemory
+        exc = self.feed(MemoryRequested(sid, rid, gpu, nbytes), expect)
+        if expect is None:
+            self.allocs[(sid, rid)] = job
+        elif isinstance(exc, errors.OutOfMemory):
+            assert f"GPU {gpu}: cannot allocate {nbytes} bytes for job {job!r}" in str(exc)
+
+    def free(self) -> None:
+        owners = [(j.name, gpu, n) for j in self.s.jobs.values() for gpu, n in j.footprint.items() if n]
+        if not owners:
+            return
+        job, gpu, n = self.rng.choice(owners)
+        if self.rng.random() < 0.05:
+            self.feed(MemoryReleased(job, gpu, n + 1), ValueError)
+        else:
+            self.feed(MemoryReleased(job, gpu, self.rng.randint(1, n)))
+
+    def exit(self) -> None:
+        if not self.s.jobs:
+            return
+        job = self.rng.choice(sorted(self.s.jobs))
+        self.feed(JobExited(job))
+        # its waiters are failed (checked in absorb); it loses the lock
+        group = self.group_of(job)
+        holder = self.holders.get(group)
+        if holder is not None and holder[0] == job:
+            del self.holders[group]
+
+    def finish_move(self) -> None:
+        if not self.moves:
+            return
+        op = self.rng.choice(sorted(self.moves))
+        del self.moves[op]
+        ok = self.rng.random() < 0.9
+        self.feed(MoveFinished(op, ok, self.rng.randint(0, 100), self.rng.uniform(0, 1), "" if ok else "injected"))
+
+    def finish_reclaim(self) -> None:
+        if not self.reclaims:
+            return
+        op = self.rng.choice(sorted(self.reclaims))
+        job = self.reclaims.pop(op)
+        self.feed(ReclaimFinished(op))
+        for sid, name in self.sessions.items():
+            if name == job:
+                self.sessions[sid] = None  # the session may register again
+
+    def tick(self) -> None:
+        self.now += self.rng.uniform(0.0, 1.5)
+        self.s.handle_timers(self.now)
+        self.timers_ran = True
+
+    def misuse(self) -> None:
+        op = self.rng.choice([0, 10**9, *self.reclaims, *self.moves])
+        if op in self.reclaims:
+            self.feed(MoveFinished(op, True), ValueError)
+        else:
+            self.feed(ReclaimFinished(op), ValueError)
+
+    # --- checking ----------------------------------------------------------------------
+
+    def answer(self, ticket: Ticket) -> None:
+        assert ticket not in self.answered, f"ticket {ticket} answered twice"
+        assert ticket not in self.dead, f"ticket {ticket} answered after its session closed"
+        self.answered.add(ticket)
+
+    def absorb(self, effects: list[Effect]) -> None:
+        for e in effects:
+            if isinstance(e, GrantLock):
+                self.absorb_grant(e)
+            elif isinstance(e, FailRequest):
+                self.answer(e.ticket)
+                if e.ticket in self.allocs:
+                    del self.allocs[e.ticket]
+                    assert isinstance(e.error, (errors.OutOfMemory, errors.NotResident, errors.JobFaulted)), e
+                    continue
+                job = self.ticket_job(e.ticket)
+                assert job is not None, f"failed a ticket that was not waiting: {e}"
+                deadline = self.waiting[job][e.ticket]
+                if isinstance(e.error, errors.AcquireCancelled):
+                    assert e.ticket == self.cancelled, e
+                elif isinstance(e.error, errors.AcquireTimeout):
+                    assert self.timers_ran and deadline is not None and deadline <= self.now, (e, deadline)
+                else:
+                    assert isinstance(e.error, errors.JobFaulted), e
+                    core = self.s.jobs.get(job)
+                    assert core is None or core.faulted or core.exiting, e
+                self.leave_queue(job, e.ticket)
+            elif isinstance(e, AllocateRegion):
+                self.answer(e.ticket)
+                assert self.allocs.pop(e.ticket) == e.job, e
+                assert not self.s.jobs[e.job].exiting, e
+            elif isinstance(e, (SnapshotJob, RestoreJob)):
+                assert e.op not in self.moves and e.op not in self.reclaims
+                self.moves[e.op] = e.job
+            elif isinstance(e, ReclaimJob):
+                assert e.op not in self.moves and e.op not in self.reclaims
+                assert e.job not in self.reclaims.values(), f"{e.job} reclaimed twice"
+                self.reclaims[e.op] = e.job
+            else:
+                assert isinstance(e, NotifyJob) and e.event == "faulted", e
+
+    def absorb_grant(self, e: GrantLock) -> None:
+        assert e.tickets
+        for ticket in e.tickets:
+            self.answer(ticket)
+            assert self.sessions.get(ticket[0]) == e.job, (e, self.sessions.get(ticket[0]))
+        if e.again:
+            assert e.tickets == (self.again,), e
+            holder = self.holders[e.group]
+            assert holder[0] == e.job and e.fence == self.fences[e.group], e
+            assert not e.restored and e.switch_s == 0.0 and e.waited_s == 0.0
+            holder[1].add(e.tickets[0][0])
+            return
+        assert e.group not in self.holders, f"{e} while {self.holders[e.group]} holds"
+        queue = self.queues.get(e.group, [])
+        assert queue and queue[0] == e.job, f"FIFO broken: granted {e.job}, queue {queue}"
+        tickets = self.waiting.pop(e.job)
+        assert set(e.tickets) == set(tickets), (e, tickets)
+        assert all(d is None or d > self.now for d in tickets.values()), f"granted past its deadline: {e}"
+        queue.pop(0)
+        assert e.fence > self.fences.get(e.group, 0), f"fence did not grow: {e}"
+        self.fences[e.group] = e.fence
+        assert e.waited_s >= 0.0 and e.switch_s >= 0.0
+        if not e.restored:
+            assert e.switch_s == 0.0
+        self.holders[e.group] = (e.job, {t[0] for t in e.tickets})
+        self.grants += 1
+
+    def check(self) -> None:
+        s = self.s
+        s.check_invariants()
+        for name, group in s.groups.items():
+            assert [w.job for w in group.queue] == self.queues.get(name, []), (name, group.queue, self.queues)
+            for w in group.queue:
+                assert w.tickets == self.waiting[w.job], (w, self.waiting[w.job])
+            holder = self.holders.get(name)
+            assert group.holder == (holder[0] if holder else None), (name, group.holder, holder)
+            if holder is not None:
+                assert group.holder_sessions == holder[1]
+        for gpu, cap in CAPACITIES.items():
+            used = sum(j.footprint.get(gpu, 0) for j in s.jobs.values() if j.location is not Location.PARKED)
+            assert used <= cap, f"GPU {gpu} over capacity: {used} > {cap}"
+        assert set(s._moves) == set(self.moves) | set(self.reclaims)
+        # time only moves together with handle_timers: nothing overdue is left waiting
+        for tickets in self.waiting.values():
+            assert all(d is None or d > self.now for d in tickets.values()), tickets
+        assert {p.ticket for p in s._pending_allocs} == set(self.allocs)
+
+    # --- the end ----------------------------------------------------------------------
+
+    def quiesce(self) -> None:
+        """Finish every move and reclaim, in random order, until nothing is in flight."""
+        while self.moves or self.reclaims:
+            if self.moves and (not self.reclaims or self.rng.random() < 0.7):
+                op = self.rng.choice(sorted(self.moves))
+                del self.moves[op]
+                self.feed(MoveFinished(op, True))
+            else:
+                op = self.rng.choice(sorted(self.reclaims))
+                job = self.reclaims.pop(op)
+                self.feed(ReclaimFinished(op))
+                for sid, name in self.sessions.items():
+                    if name == job:
+                        self.sessions[sid] = None
+            self.cancelled = self.again = None
+            self.timers_ran = False
+            self.absorb(self.s.drain())
+            self.check()
+
+    def settle(self) -> None:
+        """With nothing in flight, no group may be stuck; then everyone gets a turn."""
+        self.quiesce()
+        assert not self.allocs, self.allocs
+        for group in self.s.groups.values():
+            assert group.switch is None, group
+            if group.queue and group.holder is None:
+                head = self.s.jobs[group.queue[0].job]
+                assert head.location is Location.PARKED, head
+                need = job_footprint_missing(head)
+                assert self.s._plan_evictions(need, {head.name}) is None, f"{group.name} is stuck"
+        for job in [j.name for j in self.s.jobs.values() if j.faulted and not j.exiting]:
+            self.feed(JobExited(job))
+            self.absorb(self.s.drain())
+            self.check()
+        for _ in range(4 * len(JOBS) + 4):
+            self.quiesce()
+            if not any(self.queues.values()):
+                break
+            for name, (_, sessions) in list(self.holders.items()):
+                for sid in list(sessions):
+                    self.feed(ReleaseRequested(sid))
+                    sessions.discard(sid)
+                del self.holders[name]
+                self.absorb(self.s.drain())
+                self.check()
+        assert not any(self.queues.values()), f"queues never drained: {self.queues}"
+
+
+def run(rng: random.Random, steps: int) -> Run:
+    r = Run(rng)
+    for _ in range(steps):
+        r.step()
+    r.settle()
+    return r
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(rng=st.randoms(use_true_random=False), steps=st.integers(1, 60))
+def test_random_workloads(rng: random.Random, steps: int) -> None:
+    run(rng, steps)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_long_seeded_runs(seed: int) -> None:
+    r = run(random.Random(seed), 2500)
+    assert r.grants > 50  # the run did real work
