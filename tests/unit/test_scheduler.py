@@ -639,7 +639,7 @@ def test_exit_of_the_incoming_job_before_its_restore(h: Harness) -> None:
 def test_memory_that_fits_is_reserved(h: Harness) -> None:
     a = holding(h, "A")
     rid = h.alloc(a, 40)
-    assert h.drain() == [AllocateRegion((a, rid), "A", 0, 40)]
+    assert h.drain() == [AllocateRegion((a, rid), "A", 0, 40, 40)]
     assert h.used() == 40
     h.free("A", 15)
     assert h.s.jobs["A"].footprint == {0: 25}
@@ -652,7 +652,7 @@ def test_memory_requests_do_not_need_the_lock(h: Harness) -> None:
     holding(h, "A")
     b = h.register("B")
     rid = h.alloc(b, 10)
-    assert h.drain() == [AllocateRegion((b, rid), "B", 0, 10)]
+    assert h.drain() == [AllocateRegion((b, rid), "B", 0, 10, 10)]
 
 
 def test_memory_parks_least_recently_granted_idle_job(h: Harness) -> None:
@@ -670,7 +670,7 @@ def test_memory_parks_least_recently_granted_idle_job(h: Harness) -> None:
     (snap,) = h.drain()
     assert snap == SnapshotJob(snap.op, "B")
     h.finish(snap, nbytes=30)
-    assert h.drain() == [AllocateRegion((c, rid), "C", 0, 20)]
+    assert h.drain() == [AllocateRegion((c, rid), "C", 0, 20, 20)]
     assert h.location("B") == "parked" and h.location("A") == "resident"
     assert h.used() == 80
 
@@ -690,8 +690,24 @@ def test_memory_parks_several_and_skips_jobs_not_on_that_gpu(harness: Callable[.
     h.finish(effects[0])
     assert h.drain() == []
     h.finish(effects[1])
-    assert h.drain() == [AllocateRegion((d, rid), "D", 0, 90)]
+    assert h.drain() == [AllocateRegion((d, rid), "D", 0, 90, 90)]
     assert h.location("B") == "resident"
+
+
+def test_requested_size_travels_with_the_reservation_also_when_deferred(h: Harness) -> None:
+    a = holding(h, "A", 30)
+    h.release(a)
+    h.advance(1.0)
+    b = holding(h, "B")
+    rid = h.rid()
+    h.handle(MemoryRequested(b, rid, 0, 40, requested=33))  # the ledger counts 40 (whole pages)
+    assert h.drain() == [AllocateRegion((b, rid), "B", 0, 40, 33)]
+    rid = h.rid()
+    h.handle(MemoryRequested(b, rid, 0, 40, requested=37))  # only fits once A is parked
+    (snap,) = h.drain()
+    h.finish(snap, nbytes=30)
+    assert h.drain() == [AllocateRegion((b, rid), "B", 0, 40, 37)]
+    assert h.used() == 80
 
 
 @pytest.mark.parametrize("blocker", ["holder", "moving", "faulted"])

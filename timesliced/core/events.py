@@ -54,7 +54,8 @@ class MemoryRequested:
     session: SessionId
     request_id: int
     gpu: int
-    nbytes: int
+    nbytes: int  # what the ledger counts (the backend's rounded size)
+    requested: int = 0  # what the caller asked for, passed on to AllocateRegion; 0: nbytes
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class AllocateRegion:
     job: str
     gpu: int
     nbytes: int
+    requested: int
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,7 @@ class _PendingAlloc:
     job: str
     gpu: int
     nbytes: int
+    requested: int
     ops: set[int]
 
 
@@ -393,9 +394,11 @@ class Scheduler:
             if victims is None:
                 raise errors.OutOfMemory(self._oom_message(ev.gpu, ev.nbytes, job.name), gpu=ev.gpu)
             ops = {self._start_move(v, "snapshot", now) for v in victims}
-            self._pending_allocs.append(_PendingAlloc(ticket, job.name, ev.gpu, ev.nbytes, ops))
+            self._pending_allocs.append(
+                _PendingAlloc(ticket, job.name, ev.gpu, ev.nbytes, ev.requested or ev.nbytes, ops)
+            )
             return
-        self._reserve(job, ev.gpu, ev.nbytes, ticket)
+        self._reserve(job, ev.gpu, ev.nbytes, ev.requested or ev.nbytes, ticket)
 
     def _on_memory_released(self, ev: MemoryReleased, now: float) -> None:
         if ev.nbytes < 0:
@@ -619,9 +622,9 @@ class Scheduler:
             return victims
         return None
 
-    def _reserve(self, job: Job, gpu: int, nbytes: int, ticket: Ticket) -> None:
+    def _reserve(self, job: Job, gpu: int, nbytes: int, requested: int, ticket: Ticket) -> None:
         job.footprint[gpu] = job.footprint.get(gpu, 0) + nbytes
-        self._emit(AllocateRegion(ticket, job.name, gpu, nbytes))
+        self._emit(AllocateRegion(ticket, job.name, gpu, nbytes, requested))
 
     def _retry_allocs(self, op: int) -> None:
         still: list[_PendingAlloc] = []
@@ -636,7 +639,7 @@ class Scheduler:
             elif p.nbytes > self.capacities[p.gpu] - self.used(p.gpu):
                 self._emit(FailRequest(p.ticket, errors.OutOfMemory(self._oom_message(p.gpu, p.nbytes, p.job))))
             else:
-                self._reserve(job, p.gpu, p.nbytes, p.ticket)
+                self._reserve(job, p.gpu, p.nbytes, p.requested, p.ticket)
         self._pending_allocs = still
 
     def _oom_message(self, gpu: int, nbytes: int, job: str) -> str:

@@ -162,7 +162,7 @@ class Daemon:
     def _op_sim_alloc(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         nbytes = arg_int(args, "nbytes", minimum=1)
         gpu = arg_int(args, "gpu", default=0)
-        self._feed(MemoryRequested(conn.id, rid, gpu, self._sim().rounded(nbytes)), nbytes=nbytes)
+        self._feed(MemoryRequested(conn.id, rid, gpu, self._sim().rounded(nbytes), nbytes))
         return DEFERRED
 
     def _op_sim_free(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
@@ -211,22 +211,22 @@ class Daemon:
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
-    def _feed(self, event: Event, **context: Any) -> Any:
+    def _feed(self, event: Event) -> Any:
         """Hand one event to the core, then carry out everything it decided."""
         try:
             return self.scheduler.handle(event, self._now())
         finally:
-            self._apply(self.scheduler.drain(), **context)
+            self._apply(self.scheduler.drain())
             self._rearm_timer()
 
-    def _apply(self, effects: list[Effect], **context: Any) -> None:
+    def _apply(self, effects: list[Effect]) -> None:
         for effect in effects:
             try:
-                self._apply_one(effect, context)
+                self._apply_one(effect)
             except Exception:
                 log.exception("carrying out %r failed", effect)
 
-    def _apply_one(self, effect: Effect, context: dict[str, Any]) -> None:
+    def _apply_one(self, effect: Effect) -> None:
         if isinstance(effect, GrantLock):
             log.debug("grant %s fence %d to %s (restored=%s)", effect.group, effect.fence, effect.job, effect.restored)
             for session, rid in effect.tickets:
@@ -240,17 +240,17 @@ class Daemon:
         elif isinstance(effect, ReclaimJob):
             self._spawn(self._reclaim(effect))
         elif isinstance(effect, AllocateRegion):
-            self._allocate(effect, context.get("nbytes", effect.nbytes))
+            self._allocate(effect)
         elif isinstance(effect, NotifyJob):
             for session in self.scheduler.jobs[effect.job].sessions if effect.job in self.scheduler.jobs else ():
                 if conn := self._sessions.get(session):
                     conn.push(effect.event, effect.data)
 
-    def _allocate(self, effect: AllocateRegion, nbytes: int) -> None:
+    def _allocate(self, effect: AllocateRegion) -> None:
         session, rid = effect.ticket
         conn = self._sessions.get(session)
         try:
-            info = self._sim().alloc(effect.job, effect.gpu, nbytes)
+            info = self._sim().alloc(effect.job, effect.gpu, effect.requested)
         except Exception as exc:
             self._feed(MemoryReleased(effect.job, effect.gpu, effect.nbytes))
             if conn is not None:
