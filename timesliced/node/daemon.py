@@ -86,6 +86,10 @@ class Daemon:
             await self.server.start_unix(self.config.resolved_socket())
             if self.config.listen is not None:
                 self.tcp_address = await self.server.start_tcp(*self.config.listen)
+            for job, (state, footprint) in self.backend.recovered_jobs().items():
+                # The bytes are safe where the backend found them; handing them back to a
+                # re-registering job after a restart is not done yet (see the README).
+                log.warning("found job %r from an earlier run (%s, %s bytes per GPU)", job, state, footprint)
             log.info(
                 "timesliced %s serving on %s with backend %s (%d GPUs)",
                 __version__,
@@ -117,9 +121,6 @@ class Daemon:
         self._stopping.set()
 
     # --- connections (called by ClientServer) ----------------------------------------
-
-    def open_connection(self, conn: Connection) -> None:
-        pass  # nothing is known about a connection until it registers a job
 
     def close_connection(self, conn: Connection) -> None:
         if self._sessions.pop(conn.id, None) is not None:

@@ -82,7 +82,6 @@ class Connection:
 class Handler(Protocol):
     """What the server needs from the daemon."""
 
-    def open_connection(self, conn: Connection) -> None: ...
     def handle_request(self, conn: Connection, request_id: int, op: str, args: dict[str, Any]) -> Any: ...
     def close_connection(self, conn: Connection) -> None: ...
 
@@ -222,7 +221,6 @@ class ClientServer:
         if args.get("role", "client") != "client":
             raise errors.BadRequest("this listener serves clients only")
         conn.hello = args
-        self.handler.open_connection(conn)
         return {"version": PROTOCOL_VERSION, "node": self.node, "backend": self.backend, "session": conn.id}
 
 
