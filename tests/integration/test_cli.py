@@ -114,3 +114,47 @@ def test_bench_handoff_prints_figures() -> None:
         assert figures[key] > 0, key
     assert figures["handoffs"] >= 150
     assert figures["fences_strictly_increasing"]
+
+
+def test_daemon_kill_9_loses_no_parked_bytes(tmp_path: Path) -> None:
+    import asyncio
+
+    from timesliced.backends.sim import SimBackend
+    from timesliced.backends.sim_layout import SimRegion
+
+    state, sock = tmp_path / "state", str(tmp_path / "ts.sock")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = ["serve", "--state-dir", str(state), "--socket", sock, "--gpus", "1", "--gpu-memory", "32MiB"]
+    proc = subprocess.Popen([sys.executable, "-m", "timesliced", *args], stderr=subprocess.DEVNULL, env=env)
+    sim_dir = default_sim_dir(state)
+    try:
+        wait_for(lambda: cli("status", "--address", sock).returncode == 0, timeout=30, interval=0.1)
+        a = timesliced.Client(job="a", group="g", address=sock)
+        b = timesliced.Client(job="b", group="g", address=sock)
+        with a.slice():
+            region = a.sim_alloc(20 << 20)
+            region.fill(b"training state")
+            digest = region.checksum()
+        with b.slice():
+            b.sim_alloc(20 << 20)  # parks a
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        a.close()
+        b.close()
+        region.close()
+        backend = SimBackend(sim_dir, gpus=1, capacity=32 << 20)  # what a restarted daemon builds
+        try:
+            assert backend.recovered_jobs()["a"][0] == "parked"
+            assert backend.recovered_jobs()["b"][0] == "resident"
+            asyncio.run(backend.reclaim("b"))
+            asyncio.run(backend.restore("a"))
+            (info,) = backend.regions("a")
+            with SimRegion.open(info) as again:
+                assert again.checksum() == digest
+        finally:
+            backend.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(sim_dir, ignore_errors=True)
