@@ -61,18 +61,7 @@ class Harness:
         return info.value
 
     def state(self) -> tuple[Any, ...]:
-        """Everything the core knows, as comparable plain data."""
-        s = self.s
-        return (
-            s.describe(self.now),
-            repr(s.groups),
-            repr(s.jobs),
-            repr(s.sessions),
-            repr(s._moves),
-            repr(s._pending_allocs),
-            sorted(s._deadlines),
-            s._next_op,
-        )
+        return core_state(self.s, self.now)
 
     def timers(self, now: float | None = None) -> None:
         if now is not None:
@@ -172,3 +161,17 @@ def harness() -> Iterator[Callable[..., Harness]]:
 def h(harness: Callable[..., Harness]) -> Harness:
     """One GPU of 100 bytes."""
     return harness()
+
+
+def core_state(s: Scheduler, now: float) -> tuple[Any, ...]:
+    """Everything the core knows, as comparable plain data."""
+    return (
+        s.describe(now),
+        repr(s.groups),
+        repr(s.jobs),
+        repr(s.sessions),
+        repr(s._moves),
+        repr(s._pending_allocs),
+        sorted(s._deadlines),
+        s._next_op,
+    )

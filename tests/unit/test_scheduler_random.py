@@ -55,6 +55,8 @@ from timesliced.core.events import (
 )
 from timesliced.core.scheduler import Location, Scheduler, job_footprint_missing
 
+from .conftest import core_state
+
 CAPACITIES = {0: 100, 1: 100, 2: 100}
 GROUPS = {"g0": (0, 1), "g1": (1, 2), "g2": (0,)}  # g0 shares GPU 0 with g2 and GPU 1 with g1
 JOBS = {"a": "g0", "b": "g0", "c": "g0", "j": "g0", "d": "g1", "e": "g1", "f": "g2", "h": "g2", "i": "g2"}
@@ -87,16 +89,7 @@ class Run:
     # --- plumbing ----------------------------------------------------------------------
 
     def snapshot_state(self) -> tuple[Any, ...]:
-        s = self.s
-        return (
-            s.describe(self.now),
-            repr(s.groups),
-            repr(s.jobs),
-            repr(s.sessions),
-            repr(s._moves),
-            repr(s._pending_allocs),
-            sorted(s._deadlines),
-        )
+        return core_state(self.s, self.now)
 
     def feed(self, event: Event, expect: type[Exception] | None = None) -> Any:
         """Feed ``event``; if it raises, it must be ``expect`` and change nothing."""
