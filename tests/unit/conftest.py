@@ -89,10 +89,16 @@ class Harness:
         return rid
 
     def register(
-        self, job: str, group: str = "g", gpus: tuple[int, ...] | None = None, pids: tuple[int, ...] = ()
+        self,
+        job: str,
+        group: str = "g",
+        gpus: tuple[int, ...] | None = None,
+        pids: tuple[int, ...] = (),
+        *,
+        exclusive: bool = False,
     ) -> int:
         sid = self.session()
-        self.handle(JobRegistered(sid, job, group, gpus, pids))
+        self.handle(JobRegistered(sid, job, group, gpus, pids, exclusive))
         return sid
 
     def acquire(self, session: int, deadline: float | None = None) -> int:

@@ -1105,3 +1105,84 @@ def test_switch_across_gpus_parks_only_what_frees_memory_where_short(harness: Ca
     h.finish(restore)
     assert one_grant(h.drain()).tickets == ((a, ra),)
     assert h.location("P") == "resident" and (h.used(0), h.used(1)) == (50, 70)
+
+
+# --- exclusive jobs (real processes: parked whole, their memory unknown to the core) ---------
+
+
+def test_exclusive_incoming_parks_the_resident_rival_first(h: Harness) -> None:
+    a = h.register("A", exclusive=True)
+    b = h.register("B", exclusive=True)
+    rid = h.acquire(a)
+    (snap,) = h.drain()
+    assert snap == SnapshotJob(snap.op, "B")  # both started resident; the holder gets the GPU to itself
+    h.advance(0.5)
+    h.finish(snap, nbytes=7)
+    assert h.drain() == [GrantLock("g", "A", 1, 0.5, 0.5, False, ((a, rid),))]
+    assert h.s.describe(h.now)["groups"][0]["switches"] == 1
+    h.acquire(b)
+    h.release(a)
+    (snap,) = h.drain()
+    assert snap == SnapshotJob(snap.op, "A")
+    h.finish(snap)
+    (restore,) = h.drain()
+    assert restore == RestoreJob(restore.op, "B")
+    h.finish(restore)
+    grant = one_grant(h.drain())
+    assert grant.job == "B" and grant.restored
+    h.release(b)
+    h.acquire(b)
+    assert one_grant(h.drain()).restored is False  # nobody else waited: nothing moved
+
+
+def test_exclusive_jobs_on_other_gpus_stay_resident(harness: Callable[..., Harness]) -> None:
+    h = harness({0: 100, 1: 100})
+    a = h.register("A", "g0", (0,), exclusive=True)
+    b = h.register("B", "g1", (1,), exclusive=True)
+    h.acquire(a)
+    h.acquire(b)
+    grants = h.drain()
+    assert [g.job for g in grants] == ["A", "B"] and not any(g.restored for g in grants)
+
+
+def test_exclusive_rival_that_holds_another_group_makes_the_waiter_wait(harness: Callable[..., Harness]) -> None:
+    h = harness({0: 100, 1: 100})
+    a = h.register("A", "wide", (0, 1), exclusive=True)
+    h.acquire(a)
+    h.drain()
+    b = h.register("B", "narrow", (1,), exclusive=True)
+    h.acquire(b)
+    assert h.drain() == [] and h.queue("narrow") == ["B"]
+    h.release(a)
+    (snap,) = h.drain()
+    assert snap == SnapshotJob(snap.op, "A")
+    h.finish(snap)
+    assert one_grant(h.drain()).job == "B"
+
+
+def test_exclusive_job_parks_sim_jobs_with_memory_on_its_gpus(h: Harness) -> None:
+    a = h.register("A")
+    h.alloc(a, 10)
+    h.drain()
+    b = h.register("B", "other", exclusive=True)
+    h.acquire(b)
+    (snap,) = h.drain()
+    assert snap == SnapshotJob(snap.op, "A")
+    h.finish(snap, nbytes=10)
+    assert one_grant(h.drain()).job == "B"
+
+
+def test_faulted_exclusive_rival_does_not_block(h: Harness) -> None:
+    a = h.register("A", exclusive=True)
+    h.register("B", exclusive=True)
+    h.acquire(a)
+    (snap,) = h.drain()
+    h.finish(snap, ok=False, error="lock timed out")
+    assert h.s.jobs["B"].faulted and h.location("B") == "resident"
+    grant = one_grant([e for e in h.drain() if isinstance(e, GrantLock)])
+    assert grant.job == "A"
+
+
+def test_a_job_cannot_change_its_parking_kind(h: Harness) -> None:
+    h.register("A", exclusive=True)
+    h.fails(JobRegistered(h.session(), "A", "g", None, (), False), errors.BadRequest, "another parking method")

@@ -53,13 +53,14 @@ from timesliced.core.events import (
     SnapshotJob,
     Ticket,
 )
-from timesliced.core.scheduler import Location, Scheduler, job_footprint_missing
+from timesliced.core.scheduler import Location, Scheduler
 
 from .conftest import core_state
 
 CAPACITIES = {0: 100, 1: 100, 2: 100}
 GROUPS = {"g0": (0, 1), "g1": (1, 2), "g2": (0,)}  # g0 shares GPU 0 with g2 and GPU 1 with g1
 JOBS = {"a": "g0", "b": "g0", "c": "g0", "j": "g0", "d": "g1", "e": "g1", "f": "g2", "h": "g2", "i": "g2"}
+EXCLUSIVE = {"c", "e", "h"}  # parked whole like real processes; the rest account their memory
 MAX_WAITERS = 2  # g0 has four jobs: one holds, two wait, the fourth is refused
 
 
@@ -169,7 +170,10 @@ class Run:
             expect = errors.GroupMismatch
         elif core_job is not None and core_job.exiting:
             expect = errors.JobFaulted
-        if self.feed(JobRegistered(sid, job, group, gpus, (sid,)), expect) is not None and expect is None:
+        if (
+            self.feed(JobRegistered(sid, job, group, gpus, (sid,), job in EXCLUSIVE), expect) is not None
+            and expect is None
+        ):
             self.sessions[sid] = job
 
     def bound_session(self) -> int | None:
@@ -407,8 +411,6 @@ class Run:
         assert e.fence > self.fences.get(e.group, 0), f"fence did not grow: {e}"
         self.fences[e.group] = e.fence
         assert e.waited_s >= 0.0 and e.switch_s >= 0.0
-        if not e.restored:
-            assert e.switch_s == 0.0
         self.holders[e.group] = (e.job, {t[0] for t in e.tickets})
         self.grants += 1
 
@@ -461,9 +463,8 @@ class Run:
             assert group.switch is None, group
             if group.queue and group.holder is None:
                 head = self.s.jobs[group.queue[0].job]
-                assert head.location is Location.PARKED, head
-                need = job_footprint_missing(head)
-                assert self.s._plan_evictions(need, {head.name}) is None, f"{group.name} is stuck"
+                assert head.location in (Location.PARKED, Location.RESIDENT), head
+                assert self.s._plan_switch(head) is None, f"{group.name} is stuck"
         for job in [j.name for j in self.s.jobs.values() if j.faulted and not j.exiting]:
             self.feed(JobExited(job))
             self.absorb(self.s.drain())

@@ -24,6 +24,9 @@ class JobRegistered:
     group: str
     gpus: tuple[int, ...] | None  # None: the group's GPUs, or every GPU for a new group
     pids: tuple[int, ...] = ()
+    # True: the job's device memory is not accounted by the scheduler (a real process parked by
+    # cuda-checkpoint, offload or an engine endpoint), so it must have its GPUs to itself when granted.
+    exclusive: bool = False
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ class Job:
     pids: set[int] = field(default_factory=set)
     location: Location = Location.RESIDENT
     footprint: dict[int, int] = field(default_factory=dict)  # gpu -> bytes
+    exclusive: bool = False  # see JobRegistered.exclusive
     faulted: str = ""  # why, if faulted
     exiting: bool = False
     last_granted: float = float("-inf")
@@ -304,11 +305,13 @@ class Scheduler:
             raise errors.GroupMismatch(f"job {ev.job!r} belongs to group {job.group!r}, not {ev.group!r}")
         if job is not None and job.exiting:
             raise errors.JobFaulted(f"job {ev.job!r} is being torn down; register again shortly")
+        if job is not None and job.exclusive != ev.exclusive:
+            raise errors.BadRequest(f"job {ev.job!r} is already registered with another parking method")
         if group is None:
             group = Group(ev.group, gpus or tuple(sorted(self.capacities)), created_at=now)
             self.groups[ev.group] = group
         if job is None:
-            job = Job(ev.job, ev.group)
+            job = Job(ev.job, ev.group, exclusive=ev.exclusive)
             self.jobs[ev.job] = job
         job.sessions.add(ev.session)
         job.pids.update(ev.pids)
@@ -499,20 +502,19 @@ class Scheduler:
         if group.holder is None and group.switch is None and group.queue:
             head = group.queue[0]
             job = self.jobs[head.job]  # never faulted or exiting: those leave the queue at once
-            if job.location is Location.RESIDENT:
-                self._grant(group, head, now, switch_s=0.0, restored=False)
-                return
-            if job.location is not Location.PARKED:
+            if job.location is not Location.RESIDENT and job.location is not Location.PARKED:
                 return  # being parked by another group's switch; go on when that ends
-            victims = self._plan_evictions(job_footprint_missing(job), exclude={job.name})
+            victims = self._plan_switch(job)
             if victims is None:
                 return  # waits until memory frees up (a holder elsewhere yields, a job exits)
+            if not victims and job.location is Location.RESIDENT:
+                self._grant(group, head, now, switch_s=0.0, restored=False, switched=False)
+                return
             group.switch = Switch(job.name, now)
             for v in victims:
                 group.switch.pending.add(self._start_move(v, "snapshot", now))
             if not group.switch.pending:
                 self._continue_switch(group, now)
-            return
 
     def _continue_switch(self, group: Group, now: float) -> None:
         """All snapshots of the switch are done: restore, or re-plan, or give up."""
@@ -523,10 +525,10 @@ class Scheduler:
         # exit) while others were parked for it: restoring it now would only delay
         # the new head of the queue.
         wanted = bool(group.queue) and group.queue[0].job == switch.incoming
-        if switch.restoring or not wanted or job is None or job.faulted or job.location is not Location.PARKED:
+        if switch.restoring or not wanted or job is None or job.faulted:
             self._finish_switch(group, now)
             return
-        victims = self._plan_evictions(job_footprint_missing(job), exclude={job.name})
+        victims = self._plan_switch(job)
         if victims is None:
             group.switch = None  # a victim faulted and still holds memory; wait for memory
             return
@@ -534,8 +536,43 @@ class Scheduler:
             for v in victims:
                 switch.pending.add(self._start_move(v, "snapshot", now))
             return
+        if job.location is not Location.PARKED:
+            self._finish_switch(group, now)  # resident all along: only others had to make room
+            return
         switch.restoring = True
         switch.pending.add(self._start_move(job, "restore", now))
+
+    def _plan_switch(self, job: Job) -> list[Job] | None:
+        """The jobs to park before ``job`` may hold its group, or None to wait."""
+        need = job_footprint_missing(job) if job.location is Location.PARKED else {}
+        victims = self._plan_evictions(need, exclude={job.name})
+        rivals = self._exclusive_rivals(job)
+        if victims is None or rivals is None:
+            return None
+        return victims + [r for r in rivals if r not in victims]
+
+    def _exclusive_rivals(self, job: Job) -> list[Job] | None:
+        """Resident jobs that must be parked because ``job`` or they need the GPUs to themselves.
+
+        None when one of them cannot be parked now (it holds a lock or is on the
+        move); faulted and exiting jobs are passed over: parking them is not possible.
+        """
+        gpus = set(self.groups[job.group].gpus)
+        rivals: list[Job] = []
+        for other in self.jobs.values():
+            if other is job or not other.location.occupies_device or other.faulted or other.exiting:
+                continue
+            if not (job.exclusive or other.exclusive) or not gpus & set(self.groups[other.group].gpus):
+                continue
+            if not other.exclusive and not any(other.footprint.get(gpu) for gpu in gpus):
+                continue  # a sim job with nothing on these GPUs
+            busy = self._holds(other) or any(
+                g.switch is not None and g.switch.incoming == other.name for g in self.groups.values()
+            )
+            if busy or other.location is not Location.RESIDENT:
+                return None
+            rivals.append(other)
+        return sorted(rivals, key=lambda j: j.last_granted)
 
     def _finish_switch(self, group: Group, now: float) -> None:
         switch = group.switch
@@ -549,9 +586,13 @@ class Scheduler:
             and job.location is Location.RESIDENT
             and not job.faulted
         ):
-            self._grant(group, group.queue[0], now, switch_s=now - switch.started_at, restored=True)
+            self._grant(
+                group, group.queue[0], now, switch_s=now - switch.started_at, restored=switch.restoring, switched=True
+            )
 
-    def _grant(self, group: Group, waiter: Waiter, now: float, *, switch_s: float, restored: bool) -> None:
+    def _grant(
+        self, group: Group, waiter: Waiter, now: float, *, switch_s: float, restored: bool, switched: bool
+    ) -> None:
         assert group.queue[0] is waiter
         group.queue.pop(0)
         job = self.jobs[waiter.job]
@@ -565,7 +606,7 @@ class Scheduler:
         job.waits.append(waited)
         job.slices += 1
         job.last_granted = now
-        if restored:
+        if switched:
             group.switches += 1
             group.switch_times.append(switch_s)
         self._emit(GrantLock(group.name, job.name, group.fence, waited, switch_s, restored, tuple(waiter.tickets)))
