@@ -166,6 +166,30 @@ class BackendError(TimeslicedError):
     code = "backend_error"
 
 
+class BackendUnavailable(BackendError):
+    """The parking method cannot run on this node (no driver, too old a driver, missing package)."""
+
+    code = "backend_unavailable"
+
+
+class BackendTimeout(BackendError):
+    """A backend operation did not finish within its timeout."""
+
+    code = "backend_timeout"
+
+
+class InsufficientMemory(BackendError):
+    """A restore was refused because the GPU does not have the free memory the job needs."""
+
+    code = "insufficient_memory"
+
+
+class EndpointError(BackendError):
+    """An inference engine's HTTP endpoint refused, failed or did not answer."""
+
+    code = "endpoint_error"
+
+
 class InternalError(TimeslicedError):
     """The daemon hit an unexpected error while serving the request."""
 

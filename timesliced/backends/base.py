@@ -1,14 +1,20 @@
-"""The seam between the node agent and a way of parking GPU state.
+"""The seam between the node agent and the ways of parking GPU state.
 
-The node agent drives every backend through this interface and bounds every
-call with a timeout; backends raise ``timesliced.errors.BackendError`` (or a
-subclass of ``TimeslicedError``) when an operation fails.
+A *backend* parks and restores one job's device state. The daemon keeps one
+backend per method (``sim``, ``cuda-checkpoint``, ``offload``, ``vllm``,
+``sglang``); each job says at registration which method parks it, with the
+method's options in a :class:`ParkSpec`. The daemon bounds every call with a
+timeout; backends raise :class:`timesliced.errors.BackendError` (or another
+``TimeslicedError``) when an operation fails and leave the job where it was:
+a failed snapshot leaves it resident, a failed restore leaves it parked.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+METHODS = ("sim", "cuda-checkpoint", "offload", "vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -18,35 +24,81 @@ class DeviceInfo:
     index: int
     capacity: int  # bytes
     name: str
+    uuid: str = ""
+
+
+@dataclass(frozen=True)
+class ParkSpec:
+    """How a job asked to be parked (the ``park`` argument of ``register``)."""
+
+    method: str
+    endpoints: tuple[str, ...] = ()  # vllm / sglang: base URLs of the engine replicas
+    tags: tuple[str, ...] = ()  # offload / vllm / sglang: which parts to park; () = all
+    level: int = 1  # vllm sleep level (1: weights to host, 2: discard weights)
+
+
+@dataclass(frozen=True)
+class JobTarget:
+    """What a backend needs to know about the job it moves."""
+
+    name: str
+    gpus: tuple[int, ...]
+    pids: tuple[int, ...]  # the job's registered processes on this node
+    park: ParkSpec
 
 
 @dataclass(frozen=True)
 class MoveResult:
-    """What one snapshot or restore moved and how long it took."""
+    """What one snapshot or restore moved and how long it took.
+
+    ``footprint`` (gpu -> bytes) is the device memory the job holds when
+    resident, where the backend could measure it; the scheduler plans with it.
+    """
 
     nbytes: int
     seconds: float
+    footprint: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def job_name(job: JobTarget | str) -> str:
+    """Backends that keep their own records (sim) also take a bare job name."""
+    return job if isinstance(job, str) else job.name
 
 
 class Backend(Protocol):
-    name: str
-
-    def devices(self) -> list[DeviceInfo]:
-        """The devices this backend manages, in index order."""
+    @property
+    def name(self) -> str:
+        """The method's name, as jobs ask for it (``sim``, ``offload``, ...)."""
         ...
 
-    async def snapshot(self, job: str) -> MoveResult:
+    async def snapshot(self, job: JobTarget) -> MoveResult:
         """Copy ``job``'s device state to host memory and free its device memory."""
         ...
 
-    async def restore(self, job: str) -> MoveResult:
+    async def restore(self, job: JobTarget) -> MoveResult:
         """Copy ``job``'s parked state back onto its devices."""
         ...
 
-    async def reclaim(self, job: str) -> None:
-        """Forget ``job``: free its device memory and drop any parked state."""
+    async def reclaim(self, job: JobTarget) -> None:
+        """Forget ``job``: free what the backend holds for it (parked copies, handles)."""
         ...
 
-    def close(self) -> None:
-        """Release the backend's own resources; parked state stays where it is."""
+    async def aclose(self) -> None:
+        """Release the backend's own resources (sessions, threads); parked state stays where it is."""
+        ...
+
+
+class GpuMemory(Protocol):
+    """Live device memory figures, as the driver reports them (NVML on real GPUs)."""
+
+    def free_bytes(self, gpu: int) -> int:
+        """Free device memory on ``gpu`` now."""
+        ...
+
+    def process_memory(self) -> dict[int, dict[int, int]]:
+        """pid -> {gpu -> bytes} for every process that holds device memory now."""
         ...

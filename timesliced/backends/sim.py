@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from timesliced import errors
-from timesliced.backends.base import DeviceInfo, MoveResult
+from timesliced.backends.base import DeviceInfo, JobTarget, MoveResult, job_name
 from timesliced.backends.sim_layout import (
     FAULTED,
     PARKED,
@@ -316,21 +316,22 @@ class SimBackend:
 
     # --- moves -----------------------------------------------------------------------
 
-    async def snapshot(self, job: str) -> MoveResult:
+    async def snapshot(self, job: JobTarget | str) -> MoveResult:
         """Park the job: copy its regions to host files, then free its device pages.
 
         A job that is unknown or already parked moves nothing. If the caller
         is cancelled (a timeout) the copy stops and the job stays resident,
         unless the move had already committed; ``job_state`` tells which.
         """
-        return await self._move(job, self._snapshot)
+        return await self._move(job_name(job), self._snapshot)
 
-    async def restore(self, job: str) -> MoveResult:
+    async def restore(self, job: JobTarget | str) -> MoveResult:
         """Put a parked job back on its devices (on whichever pages are free), then drop the host copy."""
-        return await self._move(job, self._restore)
+        return await self._move(job_name(job), self._restore)
 
-    async def reclaim(self, job: str) -> None:
+    async def reclaim(self, job: JobTarget | str) -> None:
         """Forget the job: stop any move, free its pages, delete its parked files and control file."""
+        job = job_name(job)
         while True:
             with self._lock:
                 j = self._jobs.get(job)
@@ -356,6 +357,9 @@ class SimBackend:
                 await asyncio.to_thread(shutil.rmtree, trash, True)
         finally:
             claim.done.set()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
 
     def close(self) -> None:
         """Stop moves in flight and unmap; parked files and control files stay for the next start."""
