@@ -1,8 +1,9 @@
-"""Process liveness, as the daemon needs it to notice dead jobs."""
+"""Process liveness and process trees, as the daemon needs them to follow jobs."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 
 def pid_alive(pid: int) -> bool:
@@ -20,3 +21,56 @@ def pid_alive(pid: int) -> bool:
         return True  # no procfs: trust kill(0)
     # The state letter follows the parenthesised command name, which may itself hold ')'.
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+
+
+def descendants(pids: Iterable[int]) -> set[int]:
+    """The live descendants of ``pids`` (children, grandchildren, ...), not ``pids`` themselves.
+
+    One pass over ``/proc``: every process's parent comes from its ``stat``.
+    Zombies count as dead (their children have already been handed to a
+    reaper, so the walk would not reach them anyway). Processes that exit
+    during the pass are simply missing. Without procfs the answer is empty.
+    A PID that the kernel reuses between this call and its use is not
+    detected here; callers cross-check with what holds device memory.
+    """
+    roots = set(pids)
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return set()
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        parsed = _parent_and_state(entry)
+        if parsed is None:
+            continue
+        ppid, state = parsed
+        if state in (b"Z", b"X"):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found and child not in roots:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _parent_and_state(pid: str) -> tuple[int, bytes] | None:
+    """(ppid, state letter) from ``/proc/<pid>/stat``; None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and ')', so split after the last ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if len(fields) < 2:
+        return None
+    try:
+        return int(fields[1]), fields[0]
+    except ValueError:
+        return None
