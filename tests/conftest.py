@@ -24,6 +24,7 @@ def daemon(tmp_path: Path) -> Iterator[EmbeddedDaemon]:
     """A daemon on a background thread: 2 simulated GPUs of 64 MiB, no copy throttling."""
     config = DaemonConfig(
         state_dir=tmp_path / "state",
+        backend="sim",
         gpus=2,
         gpu_memory=64 * MiB,
         bandwidth=0,

@@ -37,7 +37,8 @@ class DaemonProcess:
     def __init__(self, *extra: str) -> None:
         self.state = Path(tempfile.mkdtemp(prefix="timesliced-bench-"))
         self.socket = str(self.state / "timesliced.sock")
-        cmd = [sys.executable, "-m", "timesliced", "serve", "--state-dir", str(self.state), "--log-level", "WARNING"]
+        cmd = [sys.executable, "-m", "timesliced", "serve", "--backend", "sim", "--state-dir", str(self.state)]
+        cmd += ["--log-level", "WARNING"]
         self.proc = subprocess.Popen([*cmd, "--socket", self.socket, *extra])
         deadline = time.monotonic() + 30
         while not _answers(self.socket):

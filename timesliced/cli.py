@@ -14,6 +14,7 @@ from typing import Any
 
 from . import __version__, errors
 from .config import DaemonConfig, default_state_dir, parse_host_port, parse_size
+from .node.parking import CHOICES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,7 +68,12 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", type=Path, default=None, help="Unix socket path (default STATE_DIR/timesliced.sock)")
     p.add_argument("--listen", type=parse_host_port, default=None, metavar="HOST:PORT", help="also serve TCP")
     p.add_argument("--node", default=None, help="node name (default: the host name)")
-    p.add_argument("--backend", default="sim", choices=["sim"], help="how GPU state is parked")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=CHOICES,
+        help="how jobs that name no method are parked; auto: cuda-checkpoint where the driver supports it, else sim",
+    )
     p.add_argument("--gpus", type=int, default=2, help="number of simulated GPUs")
     p.add_argument("--gpu-memory", type=parse_size, default="16GiB", metavar="SIZE", help="memory per simulated GPU")
     p.add_argument(
@@ -78,6 +84,11 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
         help="simulated host<->device copy bandwidth in GB/s (0: as fast as memory allows)",
     )
     p.add_argument("--sim-dir", type=Path, default=None, help="where simulated device memory lives (tmpfs)")
+    p.add_argument(
+        "--lock-timeout", type=float, default=10.0, metavar="S", help="cuda-checkpoint: wait for a process to lock"
+    )
+    p.add_argument("--engine-timeout", type=float, default=120.0, metavar="S", help="vllm/sglang: one sleep or wake")
+    p.add_argument("--offload-verify", action="store_true", help="offload: checksum every region after restore")
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
@@ -89,6 +100,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         listen=args.listen,
         sim_dir=args.sim_dir,
         socket_path=args.socket,
+        lock_timeout=args.lock_timeout,
+        engine_timeout=args.engine_timeout,
+        offload_verify=args.offload_verify,
     )
     if args.state_dir is not None:
         config.state_dir = args.state_dir
@@ -103,7 +117,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .node.daemon import Daemon
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    daemon = Daemon(config_from_args(args))
+    try:
+        daemon = Daemon(config_from_args(args))
+    except errors.BackendUnavailable as exc:
+        print(f"timesliced: {exc.message}", file=sys.stderr)
+        return 2
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
@@ -150,6 +168,10 @@ def _size(n: float) -> str:
     return f"{n} B"
 
 
+def _pct(x: Any) -> str:
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
 def _ms(s: Any) -> str:
     return "-" if s is None else f"{s * 1000:.1f} ms"
 
@@ -158,12 +180,21 @@ def format_status(status: dict[str, Any]) -> str:
     lines = [
         f"timesliced {status['version']} on {status['node']}  backend={status['backend']}  "
         f"uptime={status['uptime_s']:.0f}s  connections={status['connections']}",
-        "",
-        "DEVICES",
     ]
+    if parking := status.get("parking"):
+        methods = ", ".join(f"{m}" if v == "available" else f"{m} (no: {v})" for m, v in parking["methods"].items())
+        lines += [
+            f"parking: default {parking['default']} ({parking['why']}); {parking['device_source']} GPUs",
+            f"methods: {methods}",
+        ]
+    lines += ["", "DEVICES"]
+    telemetry = {g["index"]: g for g in status.get("telemetry", {}).get("gpus", [])}
     for d in status["devices"]:
         jobs = ", ".join(f"{name} {_size(v['bytes'])} {v['location']}" for name, v in d["jobs"].items()) or "-"
-        lines.append(f"  gpu{d['index']}  {_size(d['used'])} / {_size(d['capacity'])}  {jobs}")
+        t = telemetry.get(d["index"], {})
+        duty = f"duty {_pct(t.get('duty_now'))} now, {_pct(t.get('duty_window'))} over {t.get('window_s', 0):.0f}s"
+        used = t.get("memory_used") if t.get("memory_used") is not None else d["used"]
+        lines.append(f"  gpu{d['index']}  {_size(used)} / {_size(d['capacity'])}  {duty}  {jobs}")
     lines += ["", "GROUPS"]
     for g in status["groups"] or []:
         holder = f"{g['holder']} ({g['held_s']:.1f}s)" if g["holder"] else "-"
@@ -181,7 +212,7 @@ def format_status(status: dict[str, Any]) -> str:
     for j in status["jobs"]:
         fault = f"  FAULTED: {j['faulted']}" if j["faulted"] else ""
         lines.append(
-            f"  {j['job']}  group={j['group']}  state={j['location']}  slices={j['slices']}  "
+            f"  {j['job']}  group={j['group']}  park={j.get('park')}  state={j['location']}  slices={j['slices']}  "
             f"restores={j['restores']}  gpu-s={j['gpu_seconds']:.1f}  pids={j['pids']}{fault}"
         )
     if not status["jobs"]:

@@ -62,7 +62,7 @@ class DaemonConfig:
     socket_path: Path | None = None  # None: default_socket_path(state_dir)
     listen: tuple[str, int] | None = None  # optional TCP listener for remote clients
     node: str = field(default_factory=socket.gethostname)
-    backend: str = "sim"
+    backend: str = "auto"  # the parking method of jobs that name none; see node/parking.py
     gpus: int = 2
     gpu_memory: int = 16 * GiB  # per simulated GPU; sparse, costs RAM only when written
     page_size: int = 2 << 20
@@ -76,6 +76,10 @@ class DaemonConfig:
     op_timeout: float = 600.0  # a single snapshot / restore
     max_write_buffer: int = 8 << 20  # a client that stops reading is disconnected past this
     pid_poll_interval: float = 0.5
+    lock_timeout: float = 10.0  # cuda-checkpoint: how long a process may take to reach a safe point
+    engine_timeout: float = 120.0  # vllm / sglang: one sleep or wake-up call
+    offload_verify: bool = False  # offload: checksum every region after its restore
+    telemetry_interval: float = 1.0  # seconds between GPU samples
 
     def resolved_socket(self) -> Path:
         return self.socket_path or default_socket_path(self.state_dir)

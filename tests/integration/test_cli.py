@@ -36,6 +36,8 @@ def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
             "-m",
             "timesliced",
             "serve",
+            "--backend",
+            "sim",
             "--state-dir",
             str(tmp_path / "state"),
             "--socket",
@@ -88,7 +90,7 @@ def test_status_without_daemon_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_second_daemon_on_same_socket_refuses(served: tuple[subprocess.Popen[str], str], tmp_path: Path) -> None:
     _, sock = served
-    result = cli("serve", "--state-dir", str(tmp_path / "other"), "--socket", sock, timeout=30)
+    result = cli("serve", "--backend", "sim", "--state-dir", str(tmp_path / "other"), "--socket", sock, timeout=30)
     assert result.returncode == 1
     assert "already serving" in result.stderr
     shutil.rmtree(default_sim_dir(tmp_path / "other"), ignore_errors=True)
@@ -124,7 +126,8 @@ def test_daemon_kill_9_loses_no_parked_bytes(tmp_path: Path) -> None:
 
     state, sock = tmp_path / "state", str(tmp_path / "ts.sock")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    args = ["serve", "--state-dir", str(state), "--socket", sock, "--gpus", "1", "--gpu-memory", "32MiB"]
+    args = ["serve", "--backend", "sim", "--state-dir", str(state), "--socket", sock]
+    args += ["--gpus", "1", "--gpu-memory", "32MiB"]
     proc = subprocess.Popen([sys.executable, "-m", "timesliced", *args], stderr=subprocess.DEVNULL, env=env)
     sim_dir = default_sim_dir(state)
     try:

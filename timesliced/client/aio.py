@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import os
@@ -11,15 +12,19 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from .. import errors
+from ..backends.base import ParkSpec
 from ..wire.messages import Push, Reply
 from .protocol import (
     ClientProtocol,
     Grant,
+    OffloadExecutor,
     acquire_args,
+    directive_pool,
     hello_args,
     register_args,
     resolve_address,
     result_of,
+    run_directive,
 )
 
 log = logging.getLogger(__name__)
@@ -44,11 +49,14 @@ class AsyncClient:
         connect_timeout: float = 10.0,
         request_timeout: float = 60.0,
         on_push: Callable[[str, dict[str, Any]], None] | None = None,
+        park: str | ParkSpec | None = None,
+        offloader: OffloadExecutor | None = None,
     ) -> None:
         self.job = job
         self.group = group
         self.address = resolve_address(address)
-        self._register = register_args(job, group, gpus, pids)
+        self._register = register_args(job, group, gpus, pids, park)
+        self.offloader = offloader
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.on_push = on_push
@@ -62,6 +70,9 @@ class AsyncClient:
         self._abandoned: set[int] = set()
         self._lost: errors.TimeslicedError | None = None
         self._connecting = asyncio.Lock()
+        # One worker: directives run in the order the daemon sent them (a park before its unpark).
+        self._directives: concurrent.futures.ThreadPoolExecutor | None = None  # started by the first directive
+        self._directive_tasks: set[asyncio.Task[None]] = set()
 
     async def connect(self) -> None:
         async with self._connecting:
@@ -105,6 +116,9 @@ class AsyncClient:
             await asyncio.wait_for(writer.wait_closed(), 5)
         except (OSError, asyncio.TimeoutError):
             pass
+        if self._directives is not None:
+            self._directives.shutdown(wait=False)
+            self._directives = None
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -213,6 +227,15 @@ class AsyncClient:
         except errors.TimeslicedError:
             pass
 
+    async def _carry_out(self, data: dict[str, Any]) -> None:
+        """Run one offload directive in a worker thread, then report back."""
+        loop = asyncio.get_running_loop()
+        answer = await loop.run_in_executor(directive_pool(self), run_directive, self.offloader, data)
+        try:
+            self._send("offload_done", answer, track=False)
+        except errors.TimeslicedError:
+            pass  # the daemon saw the connection close and gave up on the directive
+
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         error: errors.TimeslicedError = errors.ConnectionLost("the daemon closed the connection")
         try:
@@ -235,6 +258,10 @@ class AsyncClient:
         if isinstance(message, Push):
             if message.event == "faulted":
                 self.faulted = str(message.data.get("reason", "faulted"))
+            elif message.event == "offload":
+                task = asyncio.get_running_loop().create_task(self._carry_out(message.data))
+                self._directive_tasks.add(task)
+                task.add_done_callback(self._directive_tasks.discard)
             if self.on_push is not None:
                 try:
                     self.on_push(message.event, message.data)

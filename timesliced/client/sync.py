@@ -14,16 +14,20 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from .. import errors
+from ..backends.base import ParkSpec
 from ..wire.messages import Push, Reply
 from .protocol import (
     Address,
     ClientProtocol,
     Grant,
+    OffloadExecutor,
     acquire_args,
+    directive_pool,
     hello_args,
     register_args,
     resolve_address,
     result_of,
+    run_directive,
 )
 
 log = logging.getLogger(__name__)
@@ -55,11 +59,14 @@ class Client:
         connect_timeout: float = 10.0,
         request_timeout: float = 60.0,
         on_push: Callable[[str, dict[str, Any]], None] | None = None,
+        park: str | ParkSpec | None = None,
+        offloader: OffloadExecutor | None = None,
     ) -> None:
         self.job = job
         self.group = group
         self.address = resolve_address(address)
-        self._register = register_args(job, group, gpus, pids)
+        self._register = register_args(job, group, gpus, pids, park)
+        self.offloader = offloader
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.on_push = on_push
@@ -74,6 +81,8 @@ class Client:
         self._abandoned: set[int] = set()  # acquires given up on: a late grant is released
         self._reader: threading.Thread | None = None
         self._lost: errors.TimeslicedError | None = None
+        # One worker: directives run in the order the daemon sent them (a park before its unpark).
+        self._directives: concurrent.futures.ThreadPoolExecutor | None = None  # started by the first directive
 
     # --- connection ------------------------------------------------------------------
 
@@ -113,6 +122,9 @@ class Client:
         sock.close()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5)
+        if self._directives is not None:
+            self._directives.shutdown(wait=False)
+            self._directives = None
 
     def __enter__(self) -> Client:
         self.connect()
@@ -248,6 +260,14 @@ class Client:
         except errors.TimeslicedError:
             pass  # no connection: the daemon drops our place in the queue by itself
 
+    def _carry_out(self, data: dict[str, Any]) -> None:
+        """Run one offload directive off the reader thread, then report back."""
+        answer = run_directive(self.offloader, data)
+        try:
+            self._send("offload_done", answer, track=False)
+        except errors.TimeslicedError:
+            pass  # the daemon saw the connection close and gave up on the directive
+
     def _read_loop(self) -> None:
         sock = self._sock
         assert sock is not None
@@ -274,6 +294,8 @@ class Client:
         if isinstance(message, Push):
             if message.event == "faulted":
                 self.faulted = str(message.data.get("reason", "faulted"))
+            elif message.event == "offload":
+                directive_pool(self).submit(self._carry_out, message.data)
             if self.on_push is not None:
                 try:
                     self.on_push(message.event, message.data)

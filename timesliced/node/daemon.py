@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import __version__, errors
-from ..backends.base import MoveResult
+from ..backends.base import METHODS, JobTarget, MoveResult, ParkSpec
 from ..config import DaemonConfig
 from ..core.events import (
     AcquireCancelled,
@@ -40,9 +40,11 @@ from ..core.events import (
     SnapshotJob,
 )
 from ..core.scheduler import Scheduler
+from ..telemetry import SimGpuSource, SwitchLog, Telemetry
 from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
 from .compat import TaskGroup, timeout
-from .processes import pid_alive
+from .parking import open_parking
+from .processes import descendants, pid_alive
 from .server import DEFERRED, ClientServer, Connection
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,8 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self.backend = make_backend(config)
-        devices = self.backend.devices()
+        self.parking = open_parking(config, self._direct)
+        devices = self.parking.devices
         self.scheduler = Scheduler({d.index: d.capacity for d in devices}, max_waiters=config.max_waiters)
         self.server = ClientServer(
             self,
@@ -64,12 +66,18 @@ class Daemon:
             stall_timeout=config.stall_timeout,
             max_write_buffer=config.max_write_buffer,
             node=config.node,
-            backend=self.backend.name,
+            backend=self.parking.default,
         )
+        self.telemetry = Telemetry(self._telemetry_source(), interval=config.telemetry_interval)
+        self.switches = SwitchLog()
         self.started_at = time.time()
         self.tcp_address: tuple[str, int] | None = None
         self._sessions: dict[int, Connection] = {}  # registered connections by session id
         self._regions: dict[tuple[str, int], tuple[int, int]] = {}  # (job, region) -> (gpu, bytes)
+        self._park: dict[str, ParkSpec] = {}  # job -> how it is parked
+        self._measured: dict[str, dict[int, int]] = {}  # job -> device bytes per GPU, from its last move
+        self._directives: dict[int, tuple[int, asyncio.Future[dict[str, Any]]]] = {}  # id -> (session, answer)
+        self._next_directive = 1
         self._tasks: TaskGroup | None = None
         self._children: set[asyncio.Task[None]] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -86,20 +94,24 @@ class Daemon:
             await self.server.start_unix(self.config.resolved_socket())
             if self.config.listen is not None:
                 self.tcp_address = await self.server.start_tcp(*self.config.listen)
-            for job, (state, footprint) in self.backend.recovered_jobs().items():
+            recovered = self.parking.sim.recovered_jobs() if self.parking.sim is not None else {}
+            for job, (state, footprint) in recovered.items():
                 # The bytes are safe where the backend found them; handing them back to a
                 # re-registering job after a restart is not done yet (see the README).
                 log.warning("found job %r from an earlier run (%s, %s bytes per GPU)", job, state, footprint)
             log.info(
-                "timesliced %s serving on %s with backend %s (%d GPUs)",
+                "timesliced %s serving on %s; jobs are parked with %s by default (%s); %d %s GPUs",
                 __version__,
                 ", ".join(self.server.addresses),
-                self.backend.name,
+                self.parking.default,
+                self.parking.why,
                 len(self.scheduler.capacities),
+                "simulated" if self.parking.device_source == "sim" else "real",
             )
             async with TaskGroup() as tasks:
                 self._tasks = tasks
                 self._spawn(self._watch_processes())
+                self._spawn(self.telemetry.run())
                 if ready is not None:
                     ready(self)
                 await self._stopping.wait()
@@ -115,7 +127,7 @@ class Daemon:
                 self.config.resolved_socket().unlink()
             except FileNotFoundError:
                 pass
-            self.backend.close()
+            await self.parking.aclose()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -123,6 +135,11 @@ class Daemon:
     # --- connections (called by ClientServer) ----------------------------------------
 
     def close_connection(self, conn: Connection) -> None:
+        for directive, (session, answer) in list(self._directives.items()):
+            if session == conn.id and not answer.done():
+                gone = errors.BackendError("the job's connection closed before it carried out the offload")
+                answer.set_exception(gone)
+                del self._directives[directive]
         if self._sessions.pop(conn.id, None) is not None:
             self._feed(SessionClosed(conn.id))
 
@@ -137,16 +154,24 @@ class Daemon:
         if conn.peer.pid is not None:
             pids.add(conn.peer.pid)  # the kernel's word beats the client's
         gpus = arg_int_list(args, "gpus", max_len=64)
+        job = arg_str(args, "job")
+        spec = parse_park(args.get("park"), self.parking.default)
+        self.parking.backend(spec.method)  # refuses a method this node cannot run
+        known = self._park.get(job)
+        if known is not None and known != spec and job in self.scheduler.jobs:
+            raise errors.BadRequest(f"job {job!r} is already registered to be parked with {known}")
         event = JobRegistered(
             conn.id,
-            arg_str(args, "job"),
+            job,
             arg_str(args, "group"),
             tuple(gpus) if gpus is not None else None,
             tuple(sorted(pids)),
+            exclusive=spec.method != "sim",
         )
         result = self._feed(event)
+        self._park[job] = spec
         self._sessions[conn.id] = conn
-        return {**result, "session": conn.id}
+        return {**result, "session": conn.id, "park": spec.method}
 
     def _op_acquire(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         timeout_s = arg_opt_float(args, "timeout")
@@ -163,6 +188,9 @@ class Daemon:
     def _op_sim_alloc(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         nbytes = arg_int(args, "nbytes", minimum=1)
         gpu = arg_int(args, "gpu", default=0)
+        job = self.scheduler.job_of(conn.id).name
+        if self._park[job].method != "sim":
+            raise errors.BadRequest(f"job {job!r} is parked with {self._park[job].method}: it has no simulated memory")
         self._feed(MemoryRequested(conn.id, rid, gpu, self._sim().rounded(nbytes), nbytes))
         return DEFERRED
 
@@ -175,6 +203,16 @@ class Daemon:
         gpu, nbytes = self._regions.pop((job, region))
         self._feed(MemoryReleased(job, gpu, nbytes))
         return {"region": region, "freed": freed}
+
+    def _op_offload_done(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
+        directive = arg_int(args, "directive")
+        entry = self._directives.get(directive)
+        if entry is None or entry[0] != conn.id:
+            raise errors.BadRequest(f"no offload directive {directive} is waiting on this connection")
+        del self._directives[directive]
+        if not entry[1].done():
+            entry[1].set_result(dict(args))
+        return {}
 
     def _op_status(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         return self.status()
@@ -189,23 +227,37 @@ class Daemon:
         "release": _op_release,
         "sim_alloc": _op_sim_alloc,
         "sim_free": _op_sim_free,
+        "offload_done": _op_offload_done,
         "status": _op_status,
         "ping": _op_ping,
     }
 
     def status(self) -> dict[str, Any]:
         picture = self.scheduler.describe(self._now())
+        for job in picture["jobs"]:
+            spec = self._park.get(job["job"])
+            job["park"] = spec.method if spec else None
+            job["measured"] = {str(gpu): n for gpu, n in sorted(self._measured.get(job["job"], {}).items())}
         return {
             "node": self.config.node,
             "version": __version__,
             "pid": os.getpid(),
-            "backend": self.backend.name,
+            "backend": self.parking.default,
+            "parking": self.parking.describe(),
             "addresses": list(self.server.addresses),
             "uptime_s": time.time() - self.started_at,
             "connections": len(self.server.connections),
             "counters": dict(self.server.counters),
             **picture,
+            "telemetry": self.telemetry.describe(self._now()),
+            "moves": self.switches.describe(),
         }
+
+    def _telemetry_source(self) -> Any:
+        if self.parking.nvml is not None:
+            return self.parking.nvml
+        sim = self.parking.sim
+        return SimGpuSource(tuple(self.parking.devices), memory_used=lambda gpu: sim.capacity - sim.free_bytes(gpu))
 
     # --- the core --------------------------------------------------------------------
 
@@ -219,6 +271,7 @@ class Daemon:
         finally:
             self._apply(self.scheduler.drain())
             self._rearm_timer()
+            self._record_held()
 
     def _apply(self, effects: list[Effect]) -> None:
         for effect in effects:
@@ -271,33 +324,43 @@ class Daemon:
 
     async def _move(self, effect: SnapshotJob | RestoreJob) -> None:
         kind = "snapshot" if isinstance(effect, SnapshotJob) else "restore"
-        operation = self.backend.snapshot if kind == "snapshot" else self.backend.restore
         try:
+            target = self._target(effect.job)
+            backend = self.parking.backend(target.park.method)
+            operation = backend.snapshot if kind == "snapshot" else backend.restore
             async with timeout(self.config.op_timeout):
-                result: MoveResult = await operation(effect.job)
+                result: MoveResult = await operation(target)
         except Exception as exc:  # a failed move faults the job, never the daemon
             reason = "timed out" if isinstance(exc, TimeoutError) else f"{exc.__class__.__name__}: {exc}"
             log.error("%s of job %r failed: %s", kind, effect.job, reason)
             self._feed(MoveFinished(effect.op, False, error=reason))
             return
         log.info(
-            "%s of job %r: %d bytes in %.3fs (%.1f GB/s)",
+            "%s of job %r with %s: %d bytes in %.3fs (%.1f GB/s)",
             kind,
             effect.job,
+            backend.name,
             result.nbytes,
             result.seconds,
-            result.nbytes / result.seconds / 1e9 if result.seconds else 0.0,
+            result.gbps,
         )
+        if result.footprint:
+            self._measured[effect.job] = dict(result.footprint)
+        self.switches.record(effect.job, kind, result.nbytes, result.seconds, self._now())
         self._feed(MoveFinished(effect.op, True, result.nbytes, result.seconds))
 
     async def _reclaim(self, effect: ReclaimJob) -> None:
         try:
+            target = self._target(effect.job)
             async with timeout(self.config.op_timeout):
-                await self.backend.reclaim(effect.job)
+                await self.parking.backend(target.park.method).reclaim(target)
         except Exception:
             log.exception("reclaiming job %r failed", effect.job)
         for key in [k for k in self._regions if k[0] == effect.job]:
             del self._regions[key]
+        self._park.pop(effect.job, None)
+        self._measured.pop(effect.job, None)
+        self.switches.forget(effect.job)
         log.info("job %r exited; its device and host memory is reclaimed", effect.job)
         self._feed(ReclaimFinished(effect.op))
 
@@ -318,6 +381,12 @@ class Daemon:
         finally:
             self._apply(self.scheduler.drain())
             self._rearm_timer()
+            self._record_held()
+
+    def _record_held(self) -> None:
+        """Simulated GPUs are busy while a lock holder has them (real ones report their own duty)."""
+        held = {gpu for g in self.scheduler.groups.values() if g.holder is not None for gpu in g.gpus}
+        self.telemetry.record_held(held, self._now())
 
     async def _watch_processes(self) -> None:
         """A job whose every process is gone is dropped and its memory reclaimed."""
@@ -328,20 +397,70 @@ class Daemon:
                     self._feed(JobExited(job.name))
 
     def _sim(self) -> Any:
-        if self.backend.name != "sim":
-            raise errors.BadRequest(f"simulated device memory needs the sim backend, not {self.backend.name!r}")
-        return self.backend
+        if self.parking.sim is None:
+            raise errors.BackendUnavailable("simulated device memory needs simulated GPUs (--backend sim)")
+        return self.parking.sim
+
+    # --- offload directives ------------------------------------------------------------
+
+    async def _direct(self, job: str, action: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """Tell every connection of ``job`` to park or unpark its regions; their answers, in order."""
+        core = self.scheduler.jobs.get(job)
+        conns = [c for s in sorted(core.sessions) if (c := self._sessions.get(s))] if core else []
+        if not conns:
+            raise errors.BackendError(f"job {job!r} has no connection to carry out an offload {action}")
+        answers = []
+        for conn in conns:
+            directive = self._next_directive
+            self._next_directive += 1
+            answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+            self._directives[directive] = (conn.id, answer)
+            conn.push("offload", {"directive": directive, "action": action, **args})
+            answers.append((directive, answer))
+        try:
+            return list(await asyncio.gather(*(a for _, a in answers)))
+        finally:
+            for directive, _ in answers:
+                self._directives.pop(directive, None)
+
+    def _target(self, job: str) -> JobTarget:
+        core = self.scheduler.jobs[job]
+        spec = self._park[job]
+        pids = set(core.pids)
+        if spec.method in ("vllm", "sglang"):
+            pids |= descendants(pids)  # an engine's memory sits in its worker processes
+        return JobTarget(job, self.scheduler.groups[core.group].gpus, tuple(sorted(pids)), spec)
 
 
-def make_backend(config: DaemonConfig) -> Any:
-    if config.backend == "sim":
-        from ..backends.sim import SimBackend
+def parse_park(raw: Any, default: str) -> ParkSpec:
+    """The ``park`` argument of ``register``; raises ``BadRequest``."""
+    if raw is None:
+        return ParkSpec(default)
+    if not isinstance(raw, dict):
+        raise errors.BadRequest("'park' must be a map with a 'method'")
+    method = arg_str(raw, "method")
+    if method not in METHODS:
+        raise errors.BadRequest(f"unknown parking method {method!r} (known: {', '.join(METHODS)})")
+    endpoints = _str_list(raw, "endpoints", 64, 2048)
+    if method in ("vllm", "sglang") and not endpoints:
+        raise errors.BadRequest(f"a job parked with {method} needs 'endpoints' (the engines' base URLs)")
+    for url in endpoints:
+        if not url.startswith(("http://", "https://")):
+            raise errors.BadRequest(f"endpoint {url!r} is not an http(s) URL")
+    level = arg_int(raw, "level", default=1)
+    if level not in (1, 2):
+        raise errors.BadRequest("'level' must be 1 (keep weights in host memory) or 2 (discard them)")
+    return ParkSpec(method, tuple(endpoints), tuple(_str_list(raw, "tags", 64, 128)), level)
 
-        return SimBackend(
-            config.resolved_sim_dir(),
-            gpus=config.gpus,
-            capacity=config.gpu_memory,
-            page_size=config.page_size,
-            bandwidth=config.bandwidth,
-        )
-    raise ValueError(f"unknown backend {config.backend!r} (available: sim)")
+
+def _str_list(args: dict[str, Any], key: str, max_len: int, max_chars: int) -> list[str]:
+    value = args.get(key)
+    if value is None:
+        return []
+    if (
+        not isinstance(value, list)
+        or len(value) > max_len
+        or not all(isinstance(v, str) and 0 < len(v) <= max_chars for v in value)
+    ):
+        raise errors.BadRequest(f"{key!r} must be a list of at most {max_len} non-empty strings")
+    return value

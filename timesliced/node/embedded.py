@@ -18,14 +18,15 @@ class EmbeddedDaemon:
     """``with EmbeddedDaemon(config) as d: ...`` serves on ``d.socket`` until the block ends.
 
     Without a config it uses a fresh temporary state dir and sim dir (with
-    ``overrides`` of ``DaemonConfig`` fields) and removes both afterwards.
+    ``overrides`` of ``DaemonConfig`` fields; simulated GPUs unless ``backend``
+    says otherwise) and removes both afterwards.
     """
 
     def __init__(self, config: DaemonConfig | None = None, **overrides: Any) -> None:
         self._owned: list[Path] = []
         if config is None:
             state = Path(tempfile.mkdtemp(prefix="timesliced-"))
-            config = DaemonConfig(state_dir=state, **overrides)
+            config = DaemonConfig(state_dir=state, **{"backend": "sim", **overrides})
             self._owned.append(state)
             self._owned.append(config.resolved_sim_dir())
         elif overrides:

@@ -1,0 +1,142 @@
+"""vLLM and SGLang jobs through a real daemon, with fake engines as separate processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import timesliced
+from timesliced import errors
+from timesliced.backends.base import ParkSpec
+from timesliced.node.embedded import EmbeddedDaemon
+
+from ..conftest import REPO, wait_for
+
+
+class EngineProcess:
+    """``python -m tests.fakes.engines KIND`` on a free port, driven over its control routes."""
+
+    def __init__(self, kind: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fakes.engines", kind, "--port", "0"],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        assert self.url.startswith("http://"), self.url
+
+    def state(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"{self.url}/_fake/state", timeout=10) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+
+    def inject(self, **fault: Any) -> None:
+        body = json.dumps(fault).encode()
+        request = urllib.request.Request(f"{self.url}/_fake/inject", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def engines() -> Iterator[dict[str, EngineProcess]]:
+    running = {"vllm": EngineProcess("vllm"), "sglang": EngineProcess("sglang")}
+    try:
+        yield running
+    finally:
+        for engine in running.values():
+            engine.stop()
+
+
+def engine_client(daemon: EmbeddedDaemon, job: str, method: str, url: str, **spec: Any) -> timesliced.Client:
+    c = timesliced.Client(job=job, group="g", address=daemon.socket, park=ParkSpec(method, (url,), **spec))
+    c.connect()
+    return c
+
+
+def job_status(c: timesliced.Client, job: str) -> dict[str, Any]:
+    return next(j for j in c.status()["jobs"] if j["job"] == job)
+
+
+def test_a_vllm_and_an_sglang_job_take_turns(daemon: EmbeddedDaemon, engines: dict[str, EngineProcess]) -> None:
+    vllm, sglang = engines["vllm"], engines["sglang"]
+    with (
+        engine_client(daemon, "sampler", "vllm", vllm.url) as a,
+        engine_client(daemon, "judge", "sglang", sglang.url) as b,
+    ):
+        a.acquire()  # both engines started awake; the judge is put to sleep for the sampler
+        assert sglang.state()["released"] == ["cuda_graph", "kv_cache", "weights"]
+        assert not vllm.state()["sleeping"]
+        got: list[timesliced.Grant] = []
+        t = threading.Thread(target=lambda: got.append(b.acquire()))
+        t.start()
+        wait_for(lambda: len(a.status()["groups"][0]["queue"]) == 1)
+        a.release()
+        t.join(10)
+        assert got and got[0].job == "judge" and got[0].restored
+        assert vllm.state()["sleeping"] and vllm.state()["level"] == 1
+        assert sglang.state()["released"] == []
+        paths = [c["path"] for c in vllm.state()["calls"]]
+        assert paths == ["/sleep"]
+        assert job_status(a, "sampler")["location"] == "parked"
+
+
+def test_an_engine_error_faults_the_job_with_the_http_status(
+    daemon: EmbeddedDaemon, engines: dict[str, EngineProcess]
+) -> None:
+    vllm, sglang = engines["vllm"], engines["sglang"]
+    with (
+        engine_client(daemon, "sampler", "vllm", vllm.url) as a,
+        engine_client(daemon, "judge", "sglang", sglang.url) as b,
+    ):
+        a.acquire()
+        sglang.inject(path="/resume_memory_occupation", status=503, body="engine is reloading")
+        got: list[Any] = []
+
+        def acquire() -> None:
+            try:
+                got.append(b.acquire(timeout=20))
+            except errors.TimeslicedError as exc:
+                got.append(exc)
+
+        t = threading.Thread(target=acquire)
+        t.start()
+        wait_for(lambda: len(a.status()["groups"][0]["queue"]) == 1)
+        a.release()
+        t.join(20)
+        assert got and isinstance(got[0], errors.JobFaulted)
+        reason = job_status(a, "judge")["faulted"]
+        assert "503" in reason and "engine is reloading" in reason and "/resume_memory_occupation" in reason
+        assert a.acquire().job == "sampler"  # the group goes on with the other job
+
+
+def test_an_engine_that_does_not_answer_in_time(engines: dict[str, EngineProcess]) -> None:
+    vllm, sglang = engines["vllm"], engines["sglang"]
+    with (
+        EmbeddedDaemon(gpus=1, gpu_memory=8 << 20, engine_timeout=0.5) as d,
+        engine_client(d, "sampler", "vllm", vllm.url) as a,
+    ):
+        assert a.acquire(timeout=10).job == "sampler"
+        a.release()
+        vllm.inject(path="/sleep", delay=5.0)
+        with engine_client(d, "judge", "sglang", sglang.url) as b:
+            # Putting the sampler to sleep times out: it is faulted where it is (awake),
+            # and the judge still gets its turn.
+            assert b.acquire(timeout=10).job == "judge"
+            reason = job_status(b, "sampler")["faulted"]
+            assert "did not answer within 0.5 s" in reason
+            with pytest.raises(errors.JobFaulted):
+                a.acquire(timeout=5)

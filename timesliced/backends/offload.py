@@ -1,0 +1,82 @@
+"""The ``offload`` backend, daemon side: direct the workload to park its own regions.
+
+The copies happen inside the workload (``timesliced.client.offload``), which
+knows its device allocations; the daemon only tells every connection of the
+job what to do and waits for their figures. A job with several processes (one
+per rank) parks in all of them at once. If any of them fails, the others are
+told to undo what they did, so the job ends wholly resident (failed snapshot)
+or wholly parked (failed restore), as the Backend contract asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .. import errors
+from ..node.compat import timeout
+from .base import JobTarget, MoveResult
+
+log = logging.getLogger(__name__)
+
+# (job, action, args) -> one answer per connection of the job; raises BackendError
+Direct = Callable[[str, str, dict[str, Any]], Awaitable[list[dict[str, Any]]]]
+
+UNDO_TIMEOUT_S = 120.0
+
+
+class OffloadBackend:
+    name = "offload"
+
+    def __init__(self, direct: Direct, *, verify: bool = False) -> None:
+        self._direct = direct
+        self.verify = verify
+
+    async def snapshot(self, job: JobTarget) -> MoveResult:
+        return await self._move(job, "park", "unpark")
+
+    async def restore(self, job: JobTarget) -> MoveResult:
+        return await self._move(job, "unpark", "park")
+
+    async def reclaim(self, job: JobTarget) -> None:
+        """Nothing to do: the pinned copies live in the workload and die with it."""
+
+    async def aclose(self) -> None:
+        pass
+
+    async def _move(self, job: JobTarget, action: str, undo: str) -> MoveResult:
+        started = time.perf_counter()
+        args = {"tags": list(job.park.tags), "verify": self.verify}
+        answers = await self._direct(job.name, action, args)
+        failed = [a for a in answers if not a.get("ok")]
+        if failed:
+            if len(failed) < len(answers):
+                await self._undo(job, undo, args)
+            raise errors.BackendError(f"offload {action} of job {job.name!r} failed: {failed[0].get('error')}")
+        footprint: dict[int, int] = {}
+        for answer in answers:
+            for gpu, n in (answer.get("footprint") or {}).items():
+                footprint[int(gpu)] = footprint.get(int(gpu), 0) + int(n)
+        return MoveResult(
+            sum(int(a.get("nbytes", 0)) for a in answers),
+            time.perf_counter() - started,
+            footprint,
+        )
+
+    async def _undo(self, job: JobTarget, action: str, args: dict[str, Any]) -> None:
+        """Bring every connection back to where the job started (best effort).
+
+        The failed ones are told too: a process that failed midway may have
+        moved some of its regions, and the executor skips those already in place.
+        """
+        try:
+            async with timeout(UNDO_TIMEOUT_S):
+                answers = await self._direct(job.name, action, args)
+        except (errors.TimeslicedError, TimeoutError) as exc:
+            log.error("undoing a failed offload of job %r failed: %s", job.name, exc)
+            return
+        for answer in answers:
+            if not answer.get("ok"):
+                log.error("undoing a failed offload of job %r failed: %s", job.name, answer.get("error"))
