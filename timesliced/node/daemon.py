@@ -9,6 +9,7 @@ thread only, within one step, so no locks are needed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from typing import Any
 
 from .. import __version__, errors
 from ..backends.base import METHODS, JobTarget, MoveResult, ParkSpec
+from ..backends.offload import Direct
 from ..config import DaemonConfig
 from ..core.events import (
     AcquireCancelled,
@@ -43,7 +45,7 @@ from ..core.scheduler import Scheduler
 from ..telemetry import SimGpuSource, SwitchLog, Telemetry
 from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
 from .compat import TaskGroup, timeout
-from .parking import open_parking
+from .parking import Parking, open_parking
 from .processes import descendants, pid_alive
 from .server import DEFERRED, ClientServer, Connection
 
@@ -53,9 +55,10 @@ log = logging.getLogger(__name__)
 class Daemon:
     """One per node. ``await run()`` serves until ``stop()``."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, parking: Callable[[Direct], Parking] | None = None) -> None:
+        """``parking`` builds the node's backends in place of probing the node (tests, embedding)."""
         self.config = config
-        self.parking = open_parking(config, self._direct)
+        self.parking = (parking or functools.partial(open_parking, config))(self._direct)
         devices = self.parking.devices
         self.scheduler = Scheduler({d.index: d.capacity for d in devices}, max_waiters=config.max_waiters)
         self.server = ClientServer(
@@ -254,7 +257,7 @@ class Daemon:
         }
 
     def _telemetry_source(self) -> Any:
-        if self.parking.nvml is not None:
+        if self.parking.nvml is not None or self.parking.sim is None:
             return self.parking.nvml
         sim = self.parking.sim
         return SimGpuSource(tuple(self.parking.devices), memory_used=lambda gpu: sim.capacity - sim.free_bytes(gpu))

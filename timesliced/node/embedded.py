@@ -6,12 +6,15 @@ import asyncio
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ..backends.offload import Direct
 from ..config import DaemonConfig
 from .daemon import Daemon
+from .parking import Parking
 
 
 class EmbeddedDaemon:
@@ -22,8 +25,15 @@ class EmbeddedDaemon:
     says otherwise) and removes both afterwards.
     """
 
-    def __init__(self, config: DaemonConfig | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig | None = None,
+        *,
+        parking: Callable[[Direct], Parking] | None = None,
+        **overrides: Any,
+    ) -> None:
         self._owned: list[Path] = []
+        self._parking = parking
         if config is None:
             state = Path(tempfile.mkdtemp(prefix="timesliced-"))
             config = DaemonConfig(state_dir=state, **{"backend": "sim", **overrides})
@@ -68,7 +78,7 @@ class EmbeddedDaemon:
     def _main(self) -> None:
         async def body() -> None:
             self._loop = asyncio.get_running_loop()
-            self.daemon = Daemon(self.config)
+            self.daemon = Daemon(self.config, self._parking)
             await self.daemon.run(ready=lambda _: self._ready.set())
 
         try:

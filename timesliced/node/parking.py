@@ -78,6 +78,8 @@ def open_parking(config: DaemonConfig, direct: Direct) -> Parking:
         nvml = Nvml.open()
         checkpoint, checkpoint_verdict = _open_cuda_checkpoint(config, nvml)
     if config.backend == "cuda-checkpoint" and checkpoint is None:
+        if nvml is not None:
+            nvml.close()
         raise errors.BackendUnavailable(f"cuda-checkpoint cannot run here: {checkpoint_verdict}")
     if config.backend == "auto":
         default = "cuda-checkpoint" if checkpoint is not None else "sim"

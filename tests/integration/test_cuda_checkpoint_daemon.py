@@ -1,0 +1,129 @@
+"""cuda-checkpoint jobs through a real daemon, over the fake driver.
+
+The jobs are real processes (their PIDs are registered and watched); their
+"device memory" and checkpoint states live in the fake driver, which is
+plugged in at the same seam as the real one.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import timesliced
+from timesliced import errors
+from timesliced.backends.base import DeviceInfo
+from timesliced.backends.cuda_checkpoint import CudaCheckpointBackend
+from timesliced.backends.offload import Direct, OffloadBackend
+from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.node.parking import Parking
+
+from ..conftest import wait_for
+from ..fakes.cuda_driver import CHECKPOINTED, RUNNING, FakeCheckpointDriver, FakeGpuMemory
+
+GiB = 1 << 30
+
+
+class Node:
+    """One fake GPU of 16 GiB and a daemon whose default method is cuda-checkpoint."""
+
+    def __init__(self) -> None:
+        self.memory = FakeGpuMemory({0: 16 * GiB})
+        self.driver = FakeCheckpointDriver(self.memory)
+        self.driver.init()
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def parking(self, direct: Direct) -> Parking:
+        # The process tree comes from the fake too: here every job process is a child of the
+        # test process, which also registers (as the client) for every job.
+        backend = CudaCheckpointBackend(
+            self.driver, self.memory, lock_timeout=1.0, restore_margin=0, descendants=self.driver.descendants
+        )
+        return Parking(
+            "cuda-checkpoint",
+            "test",
+            [DeviceInfo(0, 16 * GiB, "fake-gpu0")],
+            "nvml",
+            {"cuda-checkpoint": backend, "offload": OffloadBackend(direct)},
+        )
+
+    def process(self, gib: float) -> int:
+        """A real process that the fake driver sees holding ``gib`` GiB on GPU 0."""
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        self.procs.append(proc)
+        self.driver.add_process(proc.pid, {0: int(gib * GiB)})
+        return proc.pid
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    n = Node()
+    yield n
+    for p in n.procs:
+        p.kill()
+        p.wait()
+
+
+def job(daemon: EmbeddedDaemon, name: str, pid: int) -> timesliced.Client:
+    c = timesliced.Client(job=name, group="g", address=daemon.socket, pids=[pid])
+    c.connect()
+    return c
+
+
+def status_of(c: timesliced.Client, name: str) -> dict[str, Any]:
+    return next(j for j in c.status()["jobs"] if j["job"] == name)
+
+
+def test_two_processes_take_turns_through_the_driver(node: Node) -> None:
+    pa, pb = node.process(6), node.process(6)
+    with EmbeddedDaemon(gpus=1, parking=node.parking) as d, job(d, "a", pa) as a, job(d, "b", pb) as b:
+        first = a.acquire()
+        assert first.job == "a" and not first.restored
+        assert node.driver.state(pb) == CHECKPOINTED and node.driver.state(pa) == RUNNING
+        assert node.memory.free_bytes(0) == 10 * GiB  # b's 6 GiB went to host memory
+        got: list[timesliced.Grant] = []
+        t = threading.Thread(target=lambda: got.append(b.acquire()))
+        t.start()
+        wait_for(lambda: len(a.status()["groups"][0]["queue"]) == 1)
+        a.release()
+        t.join(10)
+        assert got and got[0].restored
+        assert node.driver.state(pa) == CHECKPOINTED and node.driver.state(pb) == RUNNING
+        ops = [(c.op, c.pid) for c in node.driver.calls]
+        assert ops.index(("checkpoint", pa)) < ops.index(("restore", pb)) < ops.index(("unlock", pb))
+        st = status_of(a, "a")
+        assert st["park"] == "cuda-checkpoint" and st["location"] == "parked" and st["measured"] == {"0": 6 * GiB}
+        moves = a.status()["moves"]["recent"]
+        assert {m["kind"] for m in moves} == {"snapshot", "restore"} and all(m["nbytes"] == 6 * GiB for m in moves)
+
+
+def test_a_restore_without_room_is_refused_and_never_attempted(node: Node) -> None:
+    pa, pb = node.process(6), node.process(7)
+    with EmbeddedDaemon(gpus=1, parking=node.parking) as d, job(d, "a", pa) as a, job(d, "b", pb) as b:
+        a.acquire()  # b is parked
+        a.release()
+        outsider = node.process(9.5)  # a process timesliced does not manage takes most of the room
+        # Parking a frees 6 GiB, which leaves 6.5 GiB: b needs 7.
+        with pytest.raises(errors.JobFaulted, match="restore"):
+            b.acquire(timeout=10)
+        reason = status_of(a, "b")["faulted"]
+        assert "free" in reason and "GiB" in reason
+        assert not [c for c in node.driver.calls if c.op == "restore" and c.pid == pb]
+        assert node.driver.state(pb) == CHECKPOINTED  # b's state is safe where it was
+        assert outsider
+
+
+def test_a_lock_that_times_out_faults_the_job_and_leaves_it_running(node: Node) -> None:
+    pa, pb = node.process(6), node.process(6)
+    node.driver.busy(pb)  # b's GPU work never drains: its lock times out
+    with EmbeddedDaemon(gpus=1, parking=node.parking) as d, job(d, "a", pa) as a, job(d, "b", pb):
+        grant = a.acquire(timeout=10)
+        assert grant.job == "a"
+        reason = status_of(a, "b")["faulted"]
+        assert "cuCheckpointProcessLock" in reason and str(pb) in reason and "timed out" in reason
+        assert node.driver.state(pb) == RUNNING
