@@ -18,6 +18,10 @@ from timesliced.node.embedded import EmbeddedDaemon
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 
+# tests/gpu needs a real NVIDIA GPU and runs only when asked for (tests/gpu/check.sh sets this):
+# elsewhere it is neither collected nor counted as skipped.
+collect_ignore_glob = [] if os.environ.get("TIMESLICED_GPU_TESTS") == "1" else ["gpu", "gpu/*"]
+
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[EmbeddedDaemon]:

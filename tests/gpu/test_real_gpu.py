@@ -1,0 +1,141 @@
+"""Quick checks of the real backends on a real GPU (each well under 30 s there).
+
+The longer measured run is ``check.py``; ``check.sh`` runs both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from timesliced.backends import cuda_checkpoint
+from timesliced.client.device_memory import CudaDeviceMemory
+from timesliced.client.offload import Offloader
+from timesliced.config import DaemonConfig
+from timesliced.errors import NotResident
+from timesliced.node.parking import open_parking
+
+from . import check
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(60)]
+
+MiB = 1 << 20
+
+
+def used_memory(nvml: Any, gpu: int = 0) -> int:
+    """Device memory in use on ``gpu`` as NVML reports it (every process and the driver's own)."""
+    sample = next(s for s in nvml.sample() if s.index == gpu)
+    assert sample.memory_used is not None, sample.errors
+    return int(sample.memory_used)
+
+
+def settle(predicate: Callable[[], bool], timeout: float = 3.0) -> bool:
+    """Whether ``predicate`` became true within ``timeout`` (NVML's figures may trail the driver a little)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+async def _no_directives(job: str, action: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+    raise AssertionError(f"no offload directive expected, got {action} for {job}")
+
+
+def test_nvml_sees_a_gpu_and_auto_picks_cuda_checkpoint(gpu: dict[str, Any], nvml: Any, tmp_path: Path) -> None:
+    assert gpu["count"] >= 1 and nvml.devices(), "NVML lists no GPU"
+    verdict = cuda_checkpoint.probe(nvml_driver_version=lambda: nvml.driver_version)
+    assert verdict.ok, f"the checkpoint API cannot run here: {verdict.reason} ({verdict.details})"
+    parking = open_parking(DaemonConfig(state_dir=tmp_path / "state", backend="auto"), _no_directives)
+    try:
+        assert parking.default == "cuda-checkpoint", parking.why
+        assert parking.device_source == "nvml"
+        assert parking.describe()["methods"]["cuda-checkpoint"] == "available"
+    finally:
+        asyncio.run(parking.aclose())
+
+
+def test_offloader_round_trip_keeps_the_pointer_and_frees_the_gpu(nvml: Any) -> None:
+    nbytes = 256 * MiB
+    data = random.Random(20250101).randbytes(nbytes)
+    memory = CudaDeviceMemory()
+    offloader = Offloader(memory, verify=True)
+    try:
+        region = offloader.alloc(nbytes, tag="weights")
+        region.write(data)
+        ptr = region.ptr
+        before = used_memory(nvml)
+
+        parked = offloader.park()
+        assert parked.nbytes == nbytes and parked.verified
+        assert not region.resident
+        assert settle(lambda: before - used_memory(nvml) >= nbytes * 3 // 4), (
+            f"NVML used memory went from {before} to {used_memory(nvml)} after parking {nbytes} bytes"
+        )
+        low = used_memory(nvml)
+        with pytest.raises(NotResident):
+            region.read(0, 16)
+
+        restored = offloader.unpark()  # verify=True: raises if any byte differs from the parked copy
+        assert restored.nbytes == nbytes and restored.verified
+        assert region.resident and region.ptr == ptr
+        assert region.read() == data
+        assert settle(lambda: used_memory(nvml) - low >= nbytes * 3 // 4)
+    finally:
+        offloader.close()
+        memory.close()
+
+
+@pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
+def test_torch_offload_round_trip_on_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch is installed without CUDA")
+    from timesliced.client.torch_offload import TorchOffload
+
+    device = torch.device("cuda", 0)
+    model = torch.nn.Linear(1024, 1024).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 1024, device=device)).square().mean().backward()
+    optimizer.step()
+    big = torch.arange(64 * MiB, dtype=torch.int32, device=device)  # 256 MiB
+    tensors = [big, *model.parameters(), *(v for s in optimizer.state.values() for v in s.values() if v.is_cuda)]
+    expected = [t.detach().cpu().clone() for t in tensors]
+
+    offload = TorchOffload(verify=True)
+    offload.register(big, tag="weights", name="big")
+    offload.register(model, tag="weights")
+    offload.register(optimizer, tag="optimizer")
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated(device)
+
+    parked = offload.park()
+    assert parked.nbytes >= 256 * MiB
+    assert big.numel() == 0
+    assert torch.cuda.memory_allocated(device) <= allocated - 256 * MiB
+
+    restored = offload.unpark()
+    assert restored.verified and restored.nbytes == parked.nbytes
+    for t, want in zip(tensors, expected, strict=True):
+        assert t.is_cuda and torch.equal(t.detach().cpu(), want)
+    model(torch.randn(8, 1024, device=device)).sum().backward()  # still a working model
+    optimizer.step()
+
+
+@pytest.mark.parametrize("backend", check.BACKENDS)
+def test_two_jobs_take_turns_without_losing_a_byte(backend: str) -> None:
+    result = check.run_backend(backend, gib=0.25, rounds=2, torch="off", timeout=40)
+    summary = json.dumps(result, indent=2)
+    assert result["ok"], summary
+    assert result["data_errors"] == 0, summary
+    assert result["rounds_done"] == 2, summary
+    assert result["restores"] >= 2, summary
+    assert result["d2h"]["moves"] >= 1 and result["h2d"]["moves"] >= 1, summary
