@@ -4,10 +4,12 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .backends.base import ParkSpec
 from .client import AsyncClient, Client, Grant
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
+    BackendError,
     ConnectionLost,
     JobFaulted,
     NotHolder,
@@ -21,6 +23,7 @@ __all__ = [
     "AcquireCancelled",
     "AcquireTimeout",
     "AsyncClient",
+    "BackendError",
     "Client",
     "ConnectionLost",
     "Grant",
@@ -28,6 +31,7 @@ __all__ = [
     "NotHolder",
     "NotResident",
     "OutOfMemory",
+    "ParkSpec",
     "ProtocolError",
     "TimeslicedError",
     "__version__",

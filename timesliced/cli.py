@@ -87,6 +87,7 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lock-timeout", type=float, default=10.0, metavar="S", help="cuda-checkpoint: wait for a process to lock"
     )
+    p.add_argument("--op-timeout", type=float, default=600.0, metavar="S", help="one snapshot or restore, any method")
     p.add_argument("--engine-timeout", type=float, default=120.0, metavar="S", help="vllm/sglang: one sleep or wake")
     p.add_argument("--offload-verify", action="store_true", help="offload: checksum every region after restore")
 
@@ -100,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         listen=args.listen,
         sim_dir=args.sim_dir,
         socket_path=args.socket,
+        op_timeout=args.op_timeout,
         lock_timeout=args.lock_timeout,
         engine_timeout=args.engine_timeout,
         offload_verify=args.offload_verify,

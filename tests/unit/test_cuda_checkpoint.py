@@ -308,7 +308,15 @@ def test_a_job_without_device_memory_parks_as_a_no_op(make_node: Callable[..., N
     n.fake.add_process(1, cuda=False)
     assert n.run(n.backend.snapshot(job(1))).nbytes == 0
     assert n.run(n.backend.restore(job(1))).nbytes == 0
-    assert n.fake.calls == []
+    assert [(c.op, c.pid) for c in n.fake.calls] == [("get_state", 1)]  # only asked whether it is a CUDA process
+
+
+def test_a_cuda_process_that_nvml_cannot_see_is_not_parked_as_nothing(make_node: Callable[..., Node]) -> None:
+    n = make_node()
+    n.fake.add_process(1)  # a CUDA process, but NVML (another PID namespace) reports no memory for it
+    with pytest.raises(errors.BackendError, match=r"PIDs \[1\].*--pid=host"):
+        n.run(n.backend.snapshot(job(1)))
+    assert n.fake.state(1) == RUNNING
 
 
 # --- restart, reclaim, misuse -------------------------------------------------------------------

@@ -824,6 +824,9 @@ class FakeDriver:
     def cuStreamDestroy(self, stream: Any) -> Any:
         return self._enter("cuStreamDestroy", stream) or self._ok()
 
+    def cuCtxSynchronize(self) -> Any:
+        return self._enter("cuCtxSynchronize") or self._ok()  # the workload queued nothing of its own here
+
     def cuStreamSynchronize(self, stream: Any) -> Any:
         r = self._enter("cuStreamSynchronize", stream)
         queue, self.queue = self.queue, []
@@ -874,6 +877,9 @@ def test_cuda_device_memory_parks_through_the_driver_api(driver: FakeDriver) -> 
     driver.calls.clear()
     off.park()
     assert driver.calls.count("cuMemcpyDtoHAsync") == 4 + 1  # 10 000 bytes in 3 000-byte chunks, then 100
+    # The job's own work is waited for once per GPU, before the first copy out of it.
+    assert driver.calls.count("cuCtxSynchronize") == 2
+    assert driver.calls.index("cuCtxSynchronize") < driver.calls.index("cuMemcpyDtoHAsync")
     assert driver.calls.count("cuMemHostAlloc") == 2 and driver.calls.count("cuMemUnmap") == 2
     assert driver.mapped == {} and mem.used_bytes() == 0
     assert driver.calls.index("cuStreamSynchronize") > max(

@@ -385,6 +385,17 @@ class CudaCheckpointBackend:
             per_gpu = {gpu: n for gpu, n in usage.get(pid, {}).items() if n > 0}
             if per_gpu:
                 found[pid] = per_gpu
+        if not found:
+            # Nothing to park is right for a job that has not touched a GPU yet, but not when the
+            # driver knows its processes: then NVML cannot see them (another PID namespace), and
+            # "parking" nothing would leave the job on the GPU while the scheduler thinks it is gone.
+            known = [pid for pid in sorted(wanted) if self._driver.get_state(pid)[0] == CUDA_SUCCESS]
+            if known:
+                raise errors.BackendError(
+                    f"the driver knows PIDs {known} as CUDA processes, but NVML reports no device memory for "
+                    "them: run the daemon in the host's PID namespace (e.g. a container with --pid=host)",
+                    pids=known,
+                )
         return found
 
     def _before_restore(self, record: Footprints) -> tuple[Footprints, dict[int, int]]:

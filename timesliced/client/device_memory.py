@@ -115,7 +115,11 @@ class DeviceMemory(Protocol):
         ...
 
     def copy_to_host_async(self, dst: HostBuffer, va: int, nbytes: int) -> None:
-        """Queue a copy of ``nbytes`` at device address ``va`` into ``dst``."""
+        """Queue a copy of ``nbytes`` at device address ``va`` into ``dst``.
+
+        The copy sees every write the process queued on the device before it
+        (the first copy after a ``synchronize()`` waits for the device's work).
+        """
         ...
 
     def copy_to_device_async(self, va: int, src: HostBuffer, nbytes: int) -> None:
@@ -695,6 +699,10 @@ class CudaDeviceMemory:
             span = self._space.resolve(va, nbytes)
             with self._on(span.gpu):
                 stream = self._stream(span.gpu)
+                if span.gpu not in self._busy and call == "cuMemcpyDtoHAsync":
+                    # The copy stream does not wait for work the process queued on its own
+                    # streams: let every write the job made before yielding land first.
+                    self._call("cuCtxSynchronize")
                 self._busy.add(span.gpu)
                 for off, n in plan_chunks(nbytes, self.chunk_bytes):
                     if call == "cuMemcpyDtoHAsync":

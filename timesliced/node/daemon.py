@@ -363,7 +363,6 @@ class Daemon:
             del self._regions[key]
         self._park.pop(effect.job, None)
         self._measured.pop(effect.job, None)
-        self.switches.forget(effect.job)
         log.info("job %r exited; its device and host memory is reclaimed", effect.job)
         self._feed(ReclaimFinished(effect.op))
 
