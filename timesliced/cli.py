@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     handoff.add_argument("--jobs", type=int, default=2, help="jobs ping-ponging the group")
     handoff.add_argument("--json", action="store_true", help="print one JSON object")
     handoff.set_defaults(run=cmd_bench_handoff)
+    offload = bench_sub.add_parser("offload", help="in-process offload copy bandwidth and switch cost")
+    offload.add_argument("--mib", type=int, default=1024, help="MiB of regions to park and unpark")
+    offload.add_argument("--rounds", type=int, default=5)
+    offload.add_argument("--device", choices=["host", "cuda"], default="host", help="host: the CPU stand-in")
+    offload.add_argument("--switches", type=int, default=200, help="switches between two jobs through a daemon")
+    offload.add_argument("--json", action="store_true", help="print one JSON object")
+    offload.set_defaults(run=cmd_bench_offload)
     return parser
 
 
@@ -159,6 +166,14 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
 
     result = run_handoff(rounds=args.rounds, jobs=args.jobs)
     print(json.dumps(result, indent=2) if args.json else format_handoff(result))
+    return 0
+
+
+def cmd_bench_offload(args: argparse.Namespace) -> int:
+    from .bench_offload import format_offload, run_offload
+
+    result = run_offload(mib=args.mib, rounds=args.rounds, device=args.device, switches=args.switches)
+    print(json.dumps(result, indent=2) if args.json else format_offload(result))
     return 0
 
 

@@ -118,6 +118,16 @@ def test_bench_handoff_prints_figures() -> None:
     assert figures["fences_strictly_increasing"]
 
 
+def test_bench_offload_prints_figures() -> None:
+    result = cli("bench", "offload", "--mib", "8", "--rounds", "2", "--switches", "20", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    for key in ("d2h_gbps_p50", "h2d_gbps_p50", "park_s_p50", "unpark_s_p50", "switch_p50_ms", "switch_p99_ms"):
+        assert figures[key] > 0, key
+    assert figures["bytes"] == 8 << 20 and figures["switches"] >= 1
+    assert "ERROR" not in result.stderr  # the jobs start and end together: nothing is parked after it left
+
+
 def test_daemon_kill_9_loses_no_parked_bytes(tmp_path: Path) -> None:
     import asyncio
 
