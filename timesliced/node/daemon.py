@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import __version__, errors
-from ..backends.base import METHODS, JobTarget, MoveResult, ParkSpec
+from ..backends.base import JobTarget, MoveResult, ParkSpec
 from ..backends.offload import Direct
 from ..config import DaemonConfig
 from ..core.events import (
@@ -45,7 +45,7 @@ from ..core.scheduler import Scheduler
 from ..telemetry import SimGpuSource, SwitchLog, Telemetry
 from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
 from .compat import TaskGroup, timeout
-from .parking import Parking, open_parking
+from .parking import Parking, open_parking, parse_park
 from .processes import descendants, pid_alive
 from .server import DEFERRED, ClientServer, Connection
 
@@ -432,37 +432,3 @@ class Daemon:
         if spec.method in ("vllm", "sglang"):
             pids |= descendants(pids)  # an engine's memory sits in its worker processes
         return JobTarget(job, self.scheduler.groups[core.group].gpus, tuple(sorted(pids)), spec)
-
-
-def parse_park(raw: Any, default: str) -> ParkSpec:
-    """The ``park`` argument of ``register``; raises ``BadRequest``."""
-    if raw is None:
-        return ParkSpec(default)
-    if not isinstance(raw, dict):
-        raise errors.BadRequest("'park' must be a map with a 'method'")
-    method = arg_str(raw, "method")
-    if method not in METHODS:
-        raise errors.BadRequest(f"unknown parking method {method!r} (known: {', '.join(METHODS)})")
-    endpoints = _str_list(raw, "endpoints", 64, 2048)
-    if method in ("vllm", "sglang") and not endpoints:
-        raise errors.BadRequest(f"a job parked with {method} needs 'endpoints' (the engines' base URLs)")
-    for url in endpoints:
-        if not url.startswith(("http://", "https://")):
-            raise errors.BadRequest(f"endpoint {url!r} is not an http(s) URL")
-    level = arg_int(raw, "level", default=1)
-    if level not in (1, 2):
-        raise errors.BadRequest("'level' must be 1 (keep weights in host memory) or 2 (discard them)")
-    return ParkSpec(method, tuple(endpoints), tuple(_str_list(raw, "tags", 64, 128)), level)
-
-
-def _str_list(args: dict[str, Any], key: str, max_len: int, max_chars: int) -> list[str]:
-    value = args.get(key)
-    if value is None:
-        return []
-    if (
-        not isinstance(value, list)
-        or len(value) > max_len
-        or not all(isinstance(v, str) and 0 < len(v) <= max_chars for v in value)
-    ):
-        raise errors.BadRequest(f"{key!r} must be a list of at most {max_len} non-empty strings")
-    return value

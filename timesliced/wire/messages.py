@@ -131,3 +131,17 @@ def arg_int_list(args: dict[str, Any], name: str, *, max_len: int = 1024) -> lis
     ):
         raise BadRequest(f"argument '{name}' must be a list of at most {max_len} non-negative integers")
     return list(value)
+
+
+def arg_str_list(args: dict[str, Any], name: str, *, max_len: int = 64, max_chars: int = 1024) -> list[str]:
+    """A list of non-empty strings; absent or null is the empty list."""
+    value = args.get(name)
+    if value is None:
+        return []
+    if (
+        not isinstance(value, list)
+        or len(value) > max_len
+        or not all(isinstance(v, str) and 0 < len(v) <= max_chars for v in value)
+    ):
+        raise BadRequest(f"argument '{name}' must be a list of at most {max_len} non-empty strings")
+    return list(value)
