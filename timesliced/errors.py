@@ -103,6 +103,24 @@ class UnknownDevice(TimeslicedError):
     code = "unknown_device"
 
 
+class UnknownGroup(TimeslicedError):
+    """No group of that name exists."""
+
+    code = "unknown_group"
+
+
+class UnknownJob(TimeslicedError):
+    """No job of that name is registered."""
+
+    code = "unknown_job"
+
+
+class GroupDraining(TimeslicedError):
+    """The group is drained by an administrator: it grants nothing until it is resumed."""
+
+    code = "group_draining"
+
+
 class NotHolder(TimeslicedError):
     """Only the holder of a group's lock can yield it."""
 

@@ -17,8 +17,10 @@ from timesliced.core.events import (
     AcquireCancelled,
     AcquireRequested,
     AllocateRegion,
+    DrainRequested,
     Effect,
     FailRequest,
+    ForceReleaseRequested,
     GrantLock,
     JobExited,
     JobRegistered,
@@ -1186,3 +1188,81 @@ def test_faulted_exclusive_rival_does_not_block(h: Harness) -> None:
 def test_a_job_cannot_change_its_parking_kind(h: Harness) -> None:
     h.register("A", exclusive=True)
     h.fails(JobRegistered(h.session(), "A", "g", None, (), False), errors.BadRequest, "another parking method")
+
+
+# --- administrator actions ---------------------------------------------------------------------
+
+
+def test_force_release_takes_the_lock_from_a_stuck_holder(h: Harness) -> None:
+    a = holding(h, "A")
+    b = h.register("B")
+    rid = h.acquire(b)
+    h.advance(3.0)
+    assert h.handle(ForceReleaseRequested("g")) == {"group": "g", "released": "A"}
+    effects = h.drain()
+    assert NotifyJob("A", "lock_lost", {"group": "g", "reason": "released by an administrator"}) in effects
+    assert one_grant(effects) == GrantLock("g", "B", 2, 3.0, 0.0, False, ((b, rid),))
+    h.fails(ReleaseRequested(a), errors.NotHolder, "does not hold")  # A's own release now finds nothing
+    assert h.s.describe(h.now)["jobs"][0]["gpu_seconds"] == 3.0  # A's slice ended at the forced release
+
+
+@pytest.mark.parametrize(
+    ("event", "error", "match"),
+    [
+        (ForceReleaseRequested("nope"), errors.UnknownGroup, "no group 'nope'"),
+        (ForceReleaseRequested("g"), errors.NotHolder, "nobody holds group 'g'"),
+        (DrainRequested("nope", True), errors.UnknownGroup, "no group 'nope'"),
+    ],
+)
+def test_admin_errors_change_nothing(h: Harness, event: Any, error: type[Exception], match: str) -> None:
+    h.register("A")
+    h.fails(event, error, match)
+
+
+def test_drain_fails_the_waiters_refuses_new_ones_and_resume_grants_again(h: Harness) -> None:
+    a = holding(h, "A")
+    b = h.register("B")
+    rid = h.acquire(b)
+    assert h.handle(DrainRequested("g", True)) == {"group": "g", "draining": True, "holder": "A"}
+    (fail,) = h.drain()
+    assert isinstance(fail, FailRequest) and fail.ticket == (b, rid)
+    assert isinstance(fail.error, errors.GroupDraining)
+    h.fails(AcquireRequested(b, 99, None), errors.GroupDraining, "drained")
+    h.acquire(a)
+    assert one_grant(h.drain()).again  # the holder keeps its lock meanwhile
+    h.release(a)
+    assert h.holder() is None and h.drain() == []
+    assert h.s.describe(h.now)["groups"][0]["draining"] is True
+    h.handle(DrainRequested("g", False))
+    rid = h.acquire(b)
+    assert one_grant(h.drain()).job == "B"
+
+
+def test_a_drained_group_keeps_its_queue_empty_until_resumed(h: Harness) -> None:
+    h.register("A")
+    h.handle(DrainRequested("g", True))
+    b = h.register("B")
+    h.fails(AcquireRequested(b, 7, None), errors.GroupDraining)
+    h.handle(DrainRequested("g", False))
+    h.acquire(b)
+    assert one_grant(h.drain()).job == "B"
+
+
+def test_deferred_counts_each_wait_for_memory_once(h: Harness) -> None:
+    a = holding(h, "A", 60)
+    h.release(a)
+    c = holding(h, "C", group="other")
+    h.alloc(c, 60)  # parks the idle A to make room
+    (snap,) = h.drain()
+    h.finish(snap, nbytes=60)
+    h.drain()
+    h.acquire(a)  # A needs its 60 back, but C holds its lock and its memory: A must wait
+    assert h.drain() == []
+    assert h.s.describe(h.now)["groups"][0]["deferred"] == 1  # counted once, however often it is retried
+    h.release(c)
+    (snap,) = h.drain()
+    h.finish(snap, nbytes=60)
+    (restore,) = h.drain()
+    h.finish(restore, nbytes=60)
+    assert one_grant(h.drain()).job == "A"
+    assert h.s.describe(h.now)["groups"][0]["deferred"] == 1

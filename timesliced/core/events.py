@@ -91,6 +91,21 @@ class ReclaimFinished:
     op: int
 
 
+@dataclass(frozen=True)
+class ForceReleaseRequested:
+    """An administrator takes the lock from the group's holder (a stuck job)."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class DrainRequested:
+    """An administrator stops (``on``) or resumes granting the group."""
+
+    group: str
+    on: bool
+
+
 Event = (
     JobRegistered
     | SessionClosed
@@ -102,6 +117,8 @@ Event = (
     | MoveFinished
     | JobExited
     | ReclaimFinished
+    | ForceReleaseRequested
+    | DrainRequested
 )
 
 

@@ -31,9 +31,11 @@ from .events import (
     AcquireCancelled,
     AcquireRequested,
     AllocateRegion,
+    DrainRequested,
     Effect,
     Event,
     FailRequest,
+    ForceReleaseRequested,
     GrantLock,
     JobExited,
     JobRegistered,
@@ -129,6 +131,9 @@ class Group:
     bytes_moved: int = 0
     held_total_s: float = 0.0
     created_at: float = 0.0
+    draining: bool = False
+    deferred: int = 0  # times the head of the queue had to wait for memory or for a rival to leave
+    blocked: str | None = None  # the head job while it waits that way
     switch_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     wait_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
@@ -178,6 +183,8 @@ class Scheduler:
             MoveFinished: self._on_move_finished,
             JobExited: self._on_job_exited,
             ReclaimFinished: self._on_reclaim_finished,
+            ForceReleaseRequested: self._on_force_release,
+            DrainRequested: self._on_drain,
         }
 
     # --- shell interface -------------------------------------------------------------
@@ -339,6 +346,8 @@ class Scheduler:
         self._check_usable(job)
         group = self.groups[job.group]
         ticket = (ev.session, ev.request_id)
+        if group.draining and group.holder != job.name:
+            raise errors.GroupDraining(f"group {group.name!r} is drained by an administrator; try again later")
         if group.holder == job.name:
             group.holder_sessions.add(ev.session)
             self._emit(GrantLock(group.name, job.name, group.fence, 0.0, 0.0, False, (ticket,), again=True))
@@ -481,6 +490,32 @@ class Scheduler:
         if group.last_holder == job.name:
             group.last_holder = None
 
+    def _on_force_release(self, ev: ForceReleaseRequested, now: float) -> dict[str, Any]:
+        group = self._group(ev.group)
+        if group.holder is None:
+            raise errors.NotHolder(f"nobody holds group {group.name!r}")
+        job = group.holder
+        self._yield(group, now)
+        self._emit(NotifyJob(job, "lock_lost", {"group": group.name, "reason": "released by an administrator"}))
+        return {"group": group.name, "released": job}
+
+    def _on_drain(self, ev: DrainRequested, now: float) -> dict[str, Any]:
+        group = self._group(ev.group)
+        group.draining = ev.on
+        if ev.on:
+            drained = errors.GroupDraining(f"group {group.name!r} was drained by an administrator")
+            for w in list(group.queue):
+                for ticket in list(w.tickets):
+                    self._drop_ticket(group, w, ticket)
+                    self._emit(FailRequest(ticket, drained))
+        return {"group": group.name, "draining": group.draining, "holder": group.holder}
+
+    def _group(self, name: str) -> Group:
+        group = self.groups.get(name)
+        if group is None:
+            raise errors.UnknownGroup(f"no group {name!r} (groups: {', '.join(sorted(self.groups)) or 'none'})")
+        return group
+
     # --- the lock --------------------------------------------------------------------
 
     def _yield(self, group: Group, now: float) -> None:
@@ -499,14 +534,18 @@ class Scheduler:
 
     def _advance(self, group: Group, now: float) -> None:
         """Grant the head of the queue, or start the switch it needs."""
-        if group.holder is None and group.switch is None and group.queue:
+        if group.holder is None and group.switch is None and group.queue and not group.draining:
             head = group.queue[0]
             job = self.jobs[head.job]  # never faulted or exiting: those leave the queue at once
             if job.location is not Location.RESIDENT and job.location is not Location.PARKED:
                 return  # being parked by another group's switch; go on when that ends
             victims = self._plan_switch(job)
             if victims is None:
+                if group.blocked != job.name:
+                    group.blocked = job.name
+                    group.deferred += 1
                 return  # waits until memory frees up (a holder elsewhere yields, a job exits)
+            group.blocked = None
             if not victims and job.location is Location.RESIDENT:
                 self._grant(group, head, now, switch_s=0.0, restored=False, switched=False)
                 return
@@ -531,6 +570,8 @@ class Scheduler:
         victims = self._plan_switch(job)
         if victims is None:
             group.switch = None  # a victim faulted and still holds memory; wait for memory
+            group.blocked = job.name
+            group.deferred += 1
             return
         if victims:
             for v in victims:
@@ -791,6 +832,8 @@ class Scheduler:
             "fence": g.fence,
             "queue": [{"job": w.job, "waited_s": now - w.enqueued_at, "requests": len(w.tickets)} for w in g.queue],
             "switching_to": g.switch.incoming if g.switch else None,
+            "draining": g.draining,
+            "deferred": g.deferred,
             "grants": g.grants,
             "switches": g.switches,
             "bytes_moved": g.bytes_moved,
