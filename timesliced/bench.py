@@ -38,7 +38,7 @@ class DaemonProcess:
         self.state = Path(tempfile.mkdtemp(prefix="timesliced-bench-"))
         self.socket = str(self.state / "timesliced.sock")
         cmd = [sys.executable, "-m", "timesliced", "serve", "--backend", "sim", "--state-dir", str(self.state)]
-        cmd += ["--log-level", "WARNING"]
+        cmd += ["--log-level", "WARNING", "--web", "off"]
         self.proc = subprocess.Popen([*cmd, "--socket", self.socket, *extra])
         deadline = time.monotonic() + 30
         while not _answers(self.socket):

@@ -8,12 +8,21 @@ import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from . import __version__, errors
-from .config import DaemonConfig, default_state_dir, parse_host_port, parse_size
+from .config import (
+    ADMIN_TOKEN_ENV,
+    DEFAULT_WEB,
+    DaemonConfig,
+    default_state_dir,
+    parse_host_port,
+    parse_size,
+    read_admin_token,
+)
 from .node.parking import CHOICES
 
 
@@ -51,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.add_argument("--scale", type=float, default=1.0, help="stretch every phase by this factor")
     demo.add_argument("--no-serial", action="store_true", help="skip the serial comparison run")
+    demo.add_argument(
+        "--web",
+        default=f"{DEFAULT_WEB[0]}:{DEFAULT_WEB[1]}",
+        metavar="HOST:PORT|off",
+        help="serve the dashboard while the demo runs (a free port if this one is taken)",
+    )
+    demo.add_argument("--keep", action="store_true", help="keep the daemon and its dashboard up until Ctrl-C")
     demo.set_defaults(run=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures")
@@ -74,6 +90,19 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", type=Path, default=None, help=f"state directory (default {default_state_dir()})")
     p.add_argument("--socket", type=Path, default=None, help="Unix socket path (default STATE_DIR/timesliced.sock)")
     p.add_argument("--listen", type=parse_host_port, default=None, metavar="HOST:PORT", help="also serve TCP")
+    p.add_argument(
+        "--web",
+        default=None,
+        metavar="HOST:PORT|off",
+        help=f"dashboard, JSON API and /metrics (default {DEFAULT_WEB[0]}:{DEFAULT_WEB[1]}; off: none)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"enables the dashboard's admin actions (or ${ADMIN_TOKEN_ENV}); without it the dashboard is read-only",
+    )
     p.add_argument("--node", default=None, help="node name (default: the host name)")
     p.add_argument(
         "--backend",
@@ -113,6 +142,17 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         engine_timeout=args.engine_timeout,
         offload_verify=args.offload_verify,
     )
+    if args.web is None:
+        config.web, config.web_any_port = DEFAULT_WEB, True
+    elif args.web != "off":
+        try:
+            config.web = parse_host_port(args.web)
+        except ValueError as exc:
+            raise SystemExit(f"timesliced: --web: {exc}") from None
+    try:
+        config.admin_token = read_admin_token(args.admin_token_file)
+    except ValueError as exc:
+        raise SystemExit(f"timesliced: {exc}") from None
     if args.state_dir is not None:
         config.state_dir = args.state_dir
     if args.node:
@@ -156,9 +196,28 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import format_report, run_demo
 
-    report = run_demo(scale=args.scale, serial=not args.no_serial, progress=None if args.json else print)
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else print
+    web = None if args.web == "off" else parse_host_port(args.web)
+
+    def keep(daemon: Any) -> None:
+        where = f" at {daemon.web_url}" if daemon.web_url else ""
+        say(f"the demo is done; the daemon stays up{where} (Ctrl-C to stop)")
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+    report = run_demo(
+        scale=args.scale, serial=not args.no_serial, progress=say, web=web, keep=keep if args.keep else None
+    )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["data_errors"] == 0 else 1
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def cmd_bench_handoff(args: argparse.Namespace) -> int:

@@ -34,6 +34,29 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+ADMIN_TOKEN_ENV = "TIMESLICED_ADMIN_TOKEN"
+DEFAULT_WEB = ("127.0.0.1", 7712)
+
+
+def read_admin_token(path: Path | None) -> str | None:
+    """The admin token from ``path`` or ``$TIMESLICED_ADMIN_TOKEN``; raises ``ValueError`` if empty or unreadable."""
+    if path is None:
+        token = os.environ.get(ADMIN_TOKEN_ENV)
+        if token is None:
+            return None
+        where = f"${ADMIN_TOKEN_ENV}"
+    else:
+        try:
+            token = path.read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read the admin token file {path}: {exc.strerror}") from None
+        where = str(path)
+    token = token.strip()
+    if len(token) < 16:
+        raise ValueError(f"the admin token in {where} must be at least 16 characters")
+    return token
+
+
 def default_state_dir() -> Path:
     if env := os.environ.get(STATE_DIR_ENV):
         return Path(env)
@@ -80,6 +103,9 @@ class DaemonConfig:
     engine_timeout: float = 120.0  # vllm / sglang: one sleep or wake-up call
     offload_verify: bool = False  # offload: checksum every region after its restore
     telemetry_interval: float = 1.0  # seconds between GPU samples
+    web: tuple[str, int] | None = None  # the dashboard, /metrics and /api/v1 (``serve`` turns it on by default)
+    web_any_port: bool = False  # True: if the web address is taken, take a free port (and log it)
+    admin_token: str | None = field(default=None, repr=False)  # dashboard admin actions; never logged
 
     def resolved_socket(self) -> Path:
         return self.socket_path or default_socket_path(self.state_dir)

@@ -106,8 +106,8 @@ def worker(spec: dict[str, Any], address: str, scale: float) -> dict[str, Any]:
 # --- the driver ----------------------------------------------------------------------
 
 
-def _spawn(spec: JobSpec, address: str, scale: float) -> subprocess.Popen[str]:
-    payload = json.dumps({"spec": spec.__dict__, "address": address, "scale": scale})
+def _spawn(spec: JobSpec, address: str, scale: float, prefix: str) -> subprocess.Popen[str]:
+    payload = json.dumps({"spec": {**spec.__dict__, "job": prefix + spec.job}, "address": address, "scale": scale})
     return subprocess.Popen(
         [sys.executable, "-m", "timesliced.demo", "--worker", payload], stdout=subprocess.PIPE, text=True
     )
@@ -121,18 +121,16 @@ def _collect(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return result
 
 
-def _run(workload: tuple[JobSpec, ...], scale: float, concurrent: bool) -> dict[str, Any]:
-    with EmbeddedDaemon(gpus=GPUS, gpu_memory=GPU_MEMORY) as daemon:
-        started = time.time()
-        records = []
-        if concurrent:
-            procs = [_spawn(spec, daemon.socket, scale) for spec in workload]
-            records = [_collect(p) for p in procs]
-        else:
-            for spec in workload:
-                records.append(_collect(_spawn(spec, daemon.socket, scale)))
-        finished = time.time()
-    return _figures(records, started, finished)
+def _run(workload: tuple[JobSpec, ...], scale: float, daemon: EmbeddedDaemon, *, concurrent: bool) -> dict[str, Any]:
+    started = time.time()
+    # The serial run's jobs get names of their own: the daemon may still be reclaiming the first run's.
+    prefix = "" if concurrent else "serial-"
+    if concurrent:
+        procs = [_spawn(spec, daemon.socket, scale, prefix) for spec in workload]
+        records = [_collect(p) for p in procs]
+    else:
+        records = [_collect(_spawn(spec, daemon.socket, scale, prefix)) for spec in workload]
+    return _figures(records, started, time.time())
 
 
 def _figures(records: list[dict[str, Any]], started: float, finished: float) -> dict[str, Any]:
@@ -186,18 +184,35 @@ def _ms(values: list[float]) -> float | None:
     return statistics.median(values) * 1000 if values else None
 
 
-def run_demo(scale: float = 1.0, serial: bool = True, progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """Run the workload time-sliced (and serially); returns the figures."""
+def run_demo(
+    scale: float = 1.0,
+    serial: bool = True,
+    progress: Callable[[str], Any] | None = None,
+    *,
+    web: tuple[str, int] | None = None,
+    keep: Callable[[EmbeddedDaemon], None] | None = None,
+) -> dict[str, Any]:
+    """Run the workload time-sliced (and serially) on one daemon; returns the figures.
+
+    With ``web`` the daemon serves its dashboard there (a free port if that one is
+    taken) and says where; ``keep(daemon)`` runs after the workload, before the
+    daemon stops (the CLI's ``--keep`` waits there for Ctrl-C).
+    """
     say = progress or (lambda _msg: None)
-    say(f"time-sliced: {len(WORKLOAD)} jobs on {GPUS} simulated GPUs of {GPU_MEMORY // MiB} MiB ...")
-    sliced = _run(WORKLOAD, scale, concurrent=True)
-    report: dict[str, Any] = {"timesliced": sliced, "data_errors": sliced["data_errors"]}
-    if serial:
-        say("serial: the same jobs one after another ...")
-        alone = _run(WORKLOAD, scale, concurrent=False)
-        report["serial"] = alone
-        report["data_errors"] += alone["data_errors"]
-        report["speedup"] = alone["makespan_s"] / sliced["makespan_s"]
+    with EmbeddedDaemon(gpus=GPUS, gpu_memory=GPU_MEMORY, web=web, web_any_port=True) as daemon:
+        if daemon.web_url:
+            say(f"dashboard: {daemon.web_url}")
+        say(f"time-sliced: {len(WORKLOAD)} jobs on {GPUS} simulated GPUs of {GPU_MEMORY // MiB} MiB ...")
+        sliced = _run(WORKLOAD, scale, daemon, concurrent=True)
+        report: dict[str, Any] = {"timesliced": sliced, "data_errors": sliced["data_errors"]}
+        if serial:
+            say("serial: the same jobs one after another ...")
+            alone = _run(WORKLOAD, scale, daemon, concurrent=False)
+            report["serial"] = alone
+            report["data_errors"] += alone["data_errors"]
+            report["speedup"] = alone["makespan_s"] / sliced["makespan_s"]
+        if keep is not None:
+            keep(daemon)
     return report
 
 

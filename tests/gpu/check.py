@@ -358,6 +358,8 @@ class BackendRun:
             str(self.socket),
             "--log-level",
             "INFO",
+            "--web",
+            "off",
         ]
         log = self.workdir / "daemon.log"
         with spawned(daemon_argv, self.workdir / "daemon.out", log) as daemon:

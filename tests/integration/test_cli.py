@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,8 @@ def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
             "-m",
             "timesliced",
             "serve",
+            "--web",
+            "off",
             "--backend",
             "sim",
             "--state-dir",
@@ -90,7 +93,18 @@ def test_status_without_daemon_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_second_daemon_on_same_socket_refuses(served: tuple[subprocess.Popen[str], str], tmp_path: Path) -> None:
     _, sock = served
-    result = cli("serve", "--backend", "sim", "--state-dir", str(tmp_path / "other"), "--socket", sock, timeout=30)
+    result = cli(
+        "serve",
+        "--web",
+        "off",
+        "--backend",
+        "sim",
+        "--state-dir",
+        str(tmp_path / "other"),
+        "--socket",
+        sock,
+        timeout=30,
+    )
     assert result.returncode == 1
     assert "already serving" in result.stderr
     shutil.rmtree(default_sim_dir(tmp_path / "other"), ignore_errors=True)
@@ -106,6 +120,29 @@ def test_demo_json_runs_real_jobs() -> None:
     assert sliced["switches"] > 0 and serial["switches"] == 0
     assert all(0 < g["duty_cycle"] <= 1 for g in sliced["gpus"])
     assert report["speedup"] > 0
+
+
+def test_demo_serves_its_dashboard_and_keeps_it_up() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = ["demo", "--scale", "0.1", "--no-serial", "--web", "127.0.0.1:0", "--keep"]
+    proc = subprocess.Popen([sys.executable, "-m", "timesliced", *args], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        lines = iter(proc.stdout.readline, "")
+        url = next(line for line in lines if line.startswith("dashboard: ")).split()[1]
+        assert next(line for line in lines if "stays up" in line).strip().endswith(f"at {url} (Ctrl-C to stop)")
+        with urllib.request.urlopen(url + "api/v1/status", timeout=10) as r:
+            status = json.loads(r.read())
+        assert [g["group"] for g in status["groups"]] == ["demo-pool"] and status["groups"][0]["grants"] > 0
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert "data errors" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def test_bench_handoff_prints_figures() -> None:
@@ -136,7 +173,7 @@ def test_daemon_kill_9_loses_no_parked_bytes(tmp_path: Path) -> None:
 
     state, sock = tmp_path / "state", str(tmp_path / "ts.sock")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    args = ["serve", "--backend", "sim", "--state-dir", str(state), "--socket", sock]
+    args = ["serve", "--web", "off", "--backend", "sim", "--state-dir", str(state), "--socket", sock]
     args += ["--gpus", "1", "--gpu-memory", "32MiB"]
     proc = subprocess.Popen([sys.executable, "-m", "timesliced", *args], stderr=subprocess.DEVNULL, env=env)
     sim_dir = default_sim_dir(state)

@@ -138,6 +138,7 @@ def test_an_unknown_backend(opened: Opened) -> None:
 
 def test_serve_with_an_unavailable_backend_exits_with_the_reason(tmp_path: Path) -> None:
     code = "import sys, timesliced.cli as c; sys.exit(c.main(sys.argv[1:]))"
-    result = run_python(code, "serve", "--backend", "cuda-checkpoint", "--state-dir", str(tmp_path / "s"), timeout=60)
+    args = ["serve", "--web", "off", "--backend", "cuda-checkpoint", "--state-dir", str(tmp_path / "s")]
+    result = run_python(code, *args, timeout=60)
     assert result.returncode == 2
     assert result.stderr.startswith("timesliced: cuda-checkpoint cannot run here: "), result.stderr

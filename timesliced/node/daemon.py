@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from aiohttp import web
+
 from .. import __version__, errors
 from ..backends.base import JobTarget, MoveResult, ParkSpec
 from ..backends.offload import Direct
@@ -24,9 +26,11 @@ from ..core.events import (
     AcquireCancelled,
     AcquireRequested,
     AllocateRegion,
+    DrainRequested,
     Effect,
     Event,
     FailRequest,
+    ForceReleaseRequested,
     GrantLock,
     JobExited,
     JobRegistered,
@@ -41,15 +45,20 @@ from ..core.events import (
     SessionClosed,
     SnapshotJob,
 )
+from ..core.history import GroupView, History
 from ..core.scheduler import Scheduler
+from ..metrics import Metrics
 from ..telemetry import SimGpuSource, SwitchLog, Telemetry
 from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
 from .compat import TaskGroup, timeout
 from .parking import Parking, open_parking, parse_park
 from .processes import descendants, pid_alive
 from .server import DEFERRED, ClientServer, Connection
+from .view import DaemonView
 
 log = logging.getLogger(__name__)
+
+WEB_SHUTDOWN_S = 2.0  # open dashboard streams get this long to end when the daemon stops
 
 
 class Daemon:
@@ -71,8 +80,13 @@ class Daemon:
             node=config.node,
             backend=self.parking.default,
         )
-        self.telemetry = Telemetry(self._telemetry_source(), interval=config.telemetry_interval)
+        self._sim_source = self._sim_gpu_source()
+        self.telemetry = Telemetry(self.parking.nvml or self._sim_source, interval=config.telemetry_interval)
+        self.metrics = Metrics(self.status, node=config.node)
+        self.web_url: str | None = None
+        self._web: web.AppRunner | None = None
         self.switches = SwitchLog()
+        self.history = History()
         self.started_at = time.time()
         self.tcp_address: tuple[str, int] | None = None
         self._sessions: dict[int, Connection] = {}  # registered connections by session id
@@ -97,6 +111,8 @@ class Daemon:
             await self.server.start_unix(self.config.resolved_socket())
             if self.config.listen is not None:
                 self.tcp_address = await self.server.start_tcp(*self.config.listen)
+            if self.config.web is not None:
+                await self._start_web(*self.config.web)
             recovered = self.parking.sim.recovered_jobs() if self.parking.sim is not None else {}
             for job, (state, footprint) in recovered.items():
                 # The bytes are safe where the backend found them; handing them back to a
@@ -125,6 +141,8 @@ class Daemon:
             self._tasks = None
             if self._timer is not None:
                 self._timer.cancel()
+            if self._web is not None:
+                await self._web.cleanup()
             await self.server.close()
             try:
                 self.config.resolved_socket().unlink()
@@ -134,6 +152,24 @@ class Daemon:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    async def _start_web(self, host: str, port: int) -> None:
+        """The dashboard, the JSON API and /metrics on ``host:port`` (port 0: any free port)."""
+        from ..dashboard import make_app, serve
+
+        def app() -> web.Application:
+            return make_app(DaemonView(self), admin_token=self.config.admin_token, metrics=self.metrics.render)
+
+        try:
+            self._web, (_, bound) = await serve(app(), host, port, shutdown_timeout=WEB_SHUTDOWN_S)
+        except OSError as exc:
+            if not self.config.web_any_port:
+                raise
+            log.warning("the dashboard cannot use %s:%d (%s); it takes a free port instead", host, port, exc)
+            self._web, (_, bound) = await serve(app(), host, 0, shutdown_timeout=WEB_SHUTDOWN_S)
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
+        self.web_url = f"http://{shown}:{bound}/"
+        log.info("dashboard on %s (admin actions %s)", self.web_url, "on" if self.config.admin_token else "off")
 
     # --- connections (called by ClientServer) ----------------------------------------
 
@@ -174,6 +210,7 @@ class Daemon:
         result = self._feed(event)
         self._park[job] = spec
         self._sessions[conn.id] = conn
+        self.history.record("registered", self._now(), group=result["group"], job=job, detail=spec.method)
         return {**result, "session": conn.id, "park": spec.method}
 
     def _op_acquire(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
@@ -235,7 +272,24 @@ class Daemon:
         "ping": _op_ping,
     }
 
+    def admin(self, event: ForceReleaseRequested | DrainRequested) -> dict[str, Any]:
+        """An administrator's action (the dashboard checked the token); raises ``TimeslicedError``."""
+        result: dict[str, Any] = self._feed(event)
+        if isinstance(event, ForceReleaseRequested):
+            what = f"force-released from {result['released']}"
+        else:
+            what = "drained" if event.on else "resumed"
+        log.warning("administrator: group %r %s", event.group, what)
+        self.history.record("admin", self._now(), group=event.group, detail=what)
+        return result
+
+    @property
+    def serving(self) -> bool:
+        return self._tasks is not None and not self._stopping.is_set()
+
     def status(self) -> dict[str, Any]:
+        if self._sim_source is not None:  # simulated figures cost nothing to read: always current
+            self.telemetry.ingest(self._sim_source.sample(), self.telemetry.clock())
         picture = self.scheduler.describe(self._now())
         for job in picture["jobs"]:
             spec = self._park.get(job["job"])
@@ -253,19 +307,30 @@ class Daemon:
             "counters": dict(self.server.counters),
             **picture,
             "telemetry": self.telemetry.describe(self._now()),
-            "moves": self.switches.describe(),
+            "moves": self._moves_with_wall_times(),
         }
 
-    def _telemetry_source(self) -> Any:
-        if self.parking.nvml is not None or self.parking.sim is None:
-            return self.parking.nvml
+    def _moves_with_wall_times(self) -> dict[str, Any]:
+        moves = self.switches.describe()
+        wall = time.time() - self._now()
+        for move in moves["recent"]:
+            move["t"] = move["at"] + wall  # epoch seconds, like every time the dashboard shows
+        return moves
+
+    def _sim_gpu_source(self) -> SimGpuSource | None:
         sim = self.parking.sim
+        if self.parking.nvml is not None or sim is None:
+            return None
         return SimGpuSource(tuple(self.parking.devices), memory_used=lambda gpu: sim.capacity - sim.free_bytes(gpu))
 
     # --- the core --------------------------------------------------------------------
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
+
+    def loop_time(self) -> float:
+        """The clock of the scheduler and the history (the event loop's)."""
+        return self._now()
 
     def _feed(self, event: Event) -> Any:
         """Hand one event to the core, then carry out everything it decided."""
@@ -274,7 +339,7 @@ class Daemon:
         finally:
             self._apply(self.scheduler.drain())
             self._rearm_timer()
-            self._record_held()
+            self._after_step()
 
     def _apply(self, effects: list[Effect]) -> None:
         for effect in effects:
@@ -285,6 +350,9 @@ class Daemon:
 
     def _apply_one(self, effect: Effect) -> None:
         if isinstance(effect, GrantLock):
+            if not effect.again:
+                switched = effect.restored or effect.switch_s > 0
+                self.metrics.observe_grant(effect.group, effect.waited_s, effect.switch_s, switched)
             log.debug("grant %s fence %d to %s (restored=%s)", effect.group, effect.fence, effect.job, effect.restored)
             for session, rid in effect.tickets:
                 if conn := self._sessions.get(session):
@@ -299,6 +367,10 @@ class Daemon:
         elif isinstance(effect, AllocateRegion):
             self._allocate(effect)
         elif isinstance(effect, NotifyJob):
+            if effect.event == "faulted":
+                group = self.scheduler.jobs[effect.job].group if effect.job in self.scheduler.jobs else None
+                detail = str(effect.data.get("reason", ""))
+                self.history.record(effect.event, self._now(), group=group, job=effect.job, detail=detail)
             for session in self.scheduler.jobs[effect.job].sessions if effect.job in self.scheduler.jobs else ():
                 if conn := self._sessions.get(session):
                     conn.push(effect.event, effect.data)
@@ -350,6 +422,7 @@ class Daemon:
         if result.footprint:
             self._measured[effect.job] = dict(result.footprint)
         self.switches.record(effect.job, kind, result.nbytes, result.seconds, self._now())
+        self.metrics.observe_move(kind, backend.name, result.nbytes, result.seconds)
         self._feed(MoveFinished(effect.op, True, result.nbytes, result.seconds))
 
     async def _reclaim(self, effect: ReclaimJob) -> None:
@@ -364,6 +437,7 @@ class Daemon:
         self._park.pop(effect.job, None)
         self._measured.pop(effect.job, None)
         log.info("job %r exited; its device and host memory is reclaimed", effect.job)
+        self.history.record("exited", self._now(), job=effect.job)
         self._feed(ReclaimFinished(effect.op))
 
     def _rearm_timer(self) -> None:
@@ -383,12 +457,16 @@ class Daemon:
         finally:
             self._apply(self.scheduler.drain())
             self._rearm_timer()
-            self._record_held()
+            self._after_step()
 
-    def _record_held(self) -> None:
-        """Simulated GPUs are busy while a lock holder has them (real ones report their own duty)."""
-        held = {gpu for g in self.scheduler.groups.values() if g.holder is not None for gpu in g.gpus}
-        self.telemetry.record_held(held, self._now())
+    def _after_step(self) -> None:
+        """Follow the groups: history spans, and simulated GPUs' duty (busy while a holder has them)."""
+        now = self._now()
+        groups = self.scheduler.groups.values()
+        self.history.observe(
+            (GroupView(g.name, g.gpus, g.holder, g.switch.incoming if g.switch else None) for g in groups), now
+        )
+        self.telemetry.record_held({gpu for g in groups if g.holder is not None for gpu in g.gpus}, now)
 
     async def _watch_processes(self) -> None:
         """A job whose every process is gone is dropped and its memory reclaimed."""

@@ -52,16 +52,22 @@ class EmbeddedDaemon:
     def socket(self) -> str:
         return str(self.config.resolved_socket())
 
+    @property
+    def web_url(self) -> str | None:
+        """The dashboard's address once started (``web=(host, port)`` in the config)."""
+        return self.daemon.web_url if self.daemon is not None else None
+
     def start(self) -> EmbeddedDaemon:
         self._thread = threading.Thread(target=self._main, name="timesliced-daemon", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
+            self.stop()  # removes what it made
             raise self._error
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self.daemon is not None and self._thread is not None:
+        if self._loop is not None and self.daemon is not None and self._thread is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self.daemon.stop)
             self._thread.join(timeout=30)
         for path in self._owned:
