@@ -153,6 +153,7 @@ EXPECTED_STATUS_SERIES: dict[str, dict[Labels, float]] = {
         frozenset({("group", "pool"), ("state", "idle-yielded")}): 0.0,
         frozenset({("group", "pool"), ("state", "locked")}): 1.0,
         frozenset({("group", "pool"), ("state", "switching")}): 0.0,
+        frozenset({("group", "pool"), ("state", "faulted")}): 0.0,
     },
     "timesliced_group_fence": {frozenset({("group", "pool")}): 2.0},
     "timesliced_group_draining": {frozenset({("group", "pool")}): 0.0},

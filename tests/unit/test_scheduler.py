@@ -879,7 +879,7 @@ def test_failed_snapshot_in_a_switch_keeps_the_incoming_waiting(h: Harness) -> N
     effects = h.drain()
     assert kinds(effects) == ["NotifyJob"]  # no restore: the memory is still taken
     assert h.location("B") == "resident" and h.s.jobs["B"].faulted
-    assert h.queue() == ["A"] and h.group_state() == "idle"
+    assert h.queue() == ["A"] and h.group_state() == "faulted"  # B is stuck where it is: an operator must look
     h.fails(AcquireRequested(b, 99), errors.JobFaulted, "snapshot failed: driver says no")
     # once the faulted job is gone, the waiter gets its turn
     h.exit("B")
@@ -1266,3 +1266,24 @@ def test_deferred_counts_each_wait_for_memory_once(h: Harness) -> None:
     h.finish(restore, nbytes=60)
     assert one_grant(h.drain()).job == "A"
     assert h.s.describe(h.now)["groups"][0]["deferred"] == 1
+
+
+def test_group_states(h: Harness) -> None:
+    a = h.register("A")
+    assert h.group_state() == "idle"
+    h.acquire(a)
+    assert h.group_state() == "locked"
+    h.release(a)
+    assert h.group_state() == "idle-yielded"  # A stays resident
+    b = h.register("B", exclusive=True)
+    h.acquire(b)
+    assert h.group_state() == "locked"  # A held no memory: nothing to park
+    h.release(b)
+    c = h.register("C", exclusive=True)
+    h.acquire(c)
+    (snap,) = h.drain()[-1:]
+    assert h.group_state() == "switching"
+    h.finish(snap, ok=False, error="the driver said no")
+    assert h.group_state() == "locked"  # C got the GPUs all the same
+    h.release(c)
+    assert h.group_state() == "faulted"  # B is stuck on the GPU: an operator must look

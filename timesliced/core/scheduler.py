@@ -74,6 +74,7 @@ class GroupState(enum.Enum):
     IDLE_YIELDED = "idle-yielded"  # nobody holds, the last holder is still resident
     LOCKED = "locked"
     SWITCHING = "switching"
+    FAULTED = "faulted"  # nobody holds, and a job of the group is faulted: it needs an operator
 
 
 @dataclass
@@ -234,6 +235,8 @@ class Scheduler:
             return GroupState.SWITCHING
         if group.holder is not None:
             return GroupState.LOCKED
+        if any(j.faulted and not j.exiting for j in self.jobs.values() if j.group == group.name):
+            return GroupState.FAULTED
         last = self.jobs.get(group.last_holder or "")
         if last is not None and last.location is Location.RESIDENT and not last.faulted:
             return GroupState.IDLE_YIELDED
