@@ -57,11 +57,15 @@ WORKLOAD = (
 # --- the worker process --------------------------------------------------------------
 
 
-def worker(spec: dict[str, Any], address: str, scale: float) -> dict[str, Any]:
-    """One job: allocate, then GPU and CPU phases; returns its record."""
+def worker(spec: dict[str, Any], address: str, scale: float, prefix: str = "") -> dict[str, Any]:
+    """One job: allocate, then GPU and CPU phases; returns its record.
+
+    It registers as ``prefix + spec["job"]``, so that a second run on the same
+    daemon never meets a job of the first that is still being reclaimed.
+    """
     from .client import Client
 
-    client = Client(job=spec["job"], group=GROUP, address=address)
+    client = Client(job=prefix + spec["job"], group=GROUP, address=address)
     slices: list[dict[str, Any]] = []
     data_errors = 0
     regions: list[Any] = []
@@ -107,7 +111,7 @@ def worker(spec: dict[str, Any], address: str, scale: float) -> dict[str, Any]:
 
 
 def _spawn(spec: JobSpec, address: str, scale: float, prefix: str) -> subprocess.Popen[str]:
-    payload = json.dumps({"spec": {**spec.__dict__, "job": prefix + spec.job}, "address": address, "scale": scale})
+    payload = json.dumps({"spec": spec.__dict__, "address": address, "scale": scale, "prefix": prefix})
     return subprocess.Popen(
         [sys.executable, "-m", "timesliced.demo", "--worker", payload], stdout=subprocess.PIPE, text=True
     )
@@ -123,7 +127,6 @@ def _collect(proc: subprocess.Popen[str]) -> dict[str, Any]:
 
 def _run(workload: tuple[JobSpec, ...], scale: float, daemon: EmbeddedDaemon, *, concurrent: bool) -> dict[str, Any]:
     started = time.time()
-    # The serial run's jobs get names of their own: the daemon may still be reclaiming the first run's.
     prefix = "" if concurrent else "serial-"
     if concurrent:
         procs = [_spawn(spec, daemon.socket, scale, prefix) for spec in workload]
@@ -247,6 +250,6 @@ def format_report(report: dict[str, Any]) -> str:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         job = json.loads(sys.argv[2])
-        print(json.dumps(worker(job["spec"], job["address"], job["scale"])))
+        print(json.dumps(worker(job["spec"], job["address"], job["scale"], job.get("prefix", ""))))
     else:
         raise SystemExit("usage: python -m timesliced.demo --worker SPEC (use `timesliced demo`)")
