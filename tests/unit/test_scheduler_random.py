@@ -35,9 +35,11 @@ from timesliced.core.events import (
     AcquireCancelled,
     AcquireRequested,
     AllocateRegion,
+    DrainRequested,
     Effect,
     Event,
     FailRequest,
+    ForceReleaseRequested,
     GrantLock,
     JobExited,
     JobRegistered,
@@ -142,6 +144,8 @@ class Run:
             (self.finish_reclaim, 3),
             (self.tick, 6),
             (self.misuse, 1),
+            (self.force_release, 1),
+            (self.drain, 1),
         ]
         action = self.rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
         action()
@@ -199,6 +203,8 @@ class Run:
         expect: type[Exception] | None = None
         if core.faulted or core.exiting:
             expect = errors.JobFaulted
+        elif self.s.groups[group].draining and (holder is None or holder[0] != job):
+            expect = errors.GroupDraining
         elif (
             (holder is None or holder[0] != job)
             and job not in self.queues.get(group, [])
@@ -339,6 +345,21 @@ class Run:
         self.s.handle_timers(self.now)
         self.timers_ran = True
 
+    def force_release(self) -> None:
+        group = self.rng.choice([*GROUPS, "nowhere"])
+        if group not in self.s.groups:
+            self.feed(ForceReleaseRequested(group), errors.UnknownGroup)
+        elif group not in self.holders:
+            self.feed(ForceReleaseRequested(group), errors.NotHolder)
+        else:
+            self.feed(ForceReleaseRequested(group))
+            del self.holders[group]
+
+    def drain(self) -> None:
+        group = self.rng.choice([*GROUPS, "nowhere"])
+        on = self.rng.random() < 0.25  # mostly resumes: a drained group grants nothing
+        self.feed(DrainRequested(group, on), None if group in self.s.groups else errors.UnknownGroup)
+
     def misuse(self) -> None:
         op = self.rng.choice([0, 10**9, *self.reclaims, *self.moves])
         if op in self.reclaims:
@@ -370,6 +391,8 @@ class Run:
                     assert e.ticket == self.cancelled, e
                 elif isinstance(e.error, errors.AcquireTimeout):
                     assert self.timers_ran and deadline is not None and deadline <= self.now, (e, deadline)
+                elif isinstance(e.error, errors.GroupDraining):
+                    assert self.s.groups[self.group_of(job)].draining, e
                 else:
                     assert isinstance(e.error, errors.JobFaulted), e
                     core = self.s.jobs.get(job)
@@ -387,7 +410,7 @@ class Run:
                 assert e.job not in self.reclaims.values(), f"{e.job} reclaimed twice"
                 self.reclaims[e.op] = e.job
             else:
-                assert isinstance(e, NotifyJob) and e.event == "faulted", e
+                assert isinstance(e, NotifyJob) and e.event in ("faulted", "lock_lost"), e
 
     def absorb_grant(self, e: GrantLock) -> None:
         assert e.tickets
