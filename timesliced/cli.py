@@ -159,6 +159,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         config.node = args.node
     if config.gpus < 1:
         raise SystemExit("timesliced: --gpus must be at least 1")
+    for flag in ("op_timeout", "lock_timeout", "engine_timeout"):
+        if not getattr(config, flag) > 0:
+            raise SystemExit(f"timesliced: --{flag.replace('_', '-')} must be a positive number of seconds")
     return config
 
 
@@ -197,7 +200,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import format_report, run_demo
 
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else print
-    web = None if args.web == "off" else parse_host_port(args.web)
+    try:
+        web = None if args.web == "off" else parse_host_port(args.web)
+    except ValueError as exc:
+        raise SystemExit(f"timesliced: --web: {exc}") from None
 
     def keep(daemon: Any) -> None:
         where = f" at {daemon.web_url}" if daemon.web_url else ""

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -218,3 +221,49 @@ def test_daemon_stop_fails_waiters_with_connection_lost(tmp_path: object) -> Non
         a.release()
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize(
+    ("pid", "error", "match"),
+    [
+        (2**40, errors.BadRequest, "not a process id"),
+        ((1 << 22) - 1, errors.BadRequest, "no process"),
+        (0, errors.BadRequest, "not a process id"),
+    ],
+)
+def test_register_refuses_pids_that_are_not_processes(
+    daemon: EmbeddedDaemon, pid: int, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        client(daemon, "x", pids=[pid])
+    with client(daemon, "y") as y:  # the daemon is unharmed
+        assert y.acquire().job == "y"
+
+
+def test_pids_of_another_user_are_refused() -> None:
+    from timesliced.node.daemon import checked_pids
+    from timesliced.node.server import Peer
+
+    me = os.getpid()
+    assert checked_pids([me], Peer("unix", pid=me, uid=os.getuid())) == {me}
+    stranger = Peer("unix", pid=me, uid=os.getuid() + 4242)
+    parent = os.getppid()
+    with pytest.raises(errors.PermissionDenied, match="another user"):
+        checked_pids([parent], stranger)
+    assert checked_pids([me, parent], Peer("unix", pid=me, uid=0)) == {me, parent}  # root may name any process
+    with pytest.raises(errors.BadRequest, match="not a process id"):
+        checked_pids([1], Peer("unix", pid=me, uid=0))  # init is always alive: a job with it would never end
+    assert checked_pids([me], Peer("tcp")) == set()  # over TCP, PIDs would be another machine's
+
+
+def test_a_second_daemon_leaves_the_first_ones_socket_alone(daemon: EmbeddedDaemon, tmp_path: Path) -> None:
+    from timesliced.config import DaemonConfig, default_sim_dir
+
+    config = DaemonConfig(state_dir=tmp_path / "other", socket_path=daemon.config.resolved_socket(), backend="sim")
+    try:
+        with pytest.raises(errors.TimeslicedError, match="already serving"):
+            EmbeddedDaemon(config).start()
+    finally:
+        shutil.rmtree(default_sim_dir(config.state_dir), ignore_errors=True)
+    with client(daemon, "still-here") as c:
+        assert c.acquire().job == "still-here"

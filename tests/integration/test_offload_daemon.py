@@ -7,6 +7,7 @@ every call, so the tests see exactly what the daemon asked of each process.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -232,3 +233,54 @@ def test_processes_offload_their_regions_and_every_byte_survives(
         assert group["bytes_moved"] % parked_bytes == 0 and group["bytes_moved"] >= 16 * parked_bytes
         moves = status["moves"]
         assert moves and all(m["nbytes"] == parked_bytes for m in moves["recent"] if m["nbytes"])
+
+
+@pytest.mark.parametrize(
+    ("answer", "match"),
+    [
+        ({"ok": 1}, "'ok' must be true or false"),
+        ({"ok": True, "nbytes": -1}, "'nbytes'"),
+        ({"ok": True, "nbytes": "many"}, "'nbytes'"),
+        ({"ok": True, "nbytes": 1, "footprint": {"7": 1}}, "GPU '7'"),
+        ({"ok": True, "nbytes": 1, "footprint": {"0": -5}}, "non-negative"),
+        ({"ok": True, "nbytes": 1, "footprint": [1]}, "'footprint'"),
+    ],
+)
+def test_bad_offload_answers_are_refused_and_the_daemon_goes_on(
+    daemon: EmbeddedDaemon, answer: dict[str, Any], match: str
+) -> None:
+    class Liar(Recorder):
+        """Answers every directive by hand, with ``answer``, before the real answer goes out."""
+
+        def park(self, tags: Sequence[str] = (), *, verify: bool | None = None) -> dict[str, Any]:
+            with pytest.raises(errors.BadRequest, match=match):
+                liar_client._call("offload_done", {"directive": self.pending(), **answer})
+            return super().park(tags, verify=verify)
+
+        def pending(self) -> int:
+            return max(daemon.daemon._directives) if daemon.daemon else -1  # type: ignore[union-attr]
+
+    liar = Liar()
+    with offload_client(daemon, "liar", liar) as liar_client, offload_client(daemon, "b", Recorder()) as b:
+        assert b.acquire(timeout=10).job == "b"  # parking the liar went through with its real answer
+        assert job_status(b, "liar")["location"] == "parked" and not job_status(b, "liar")["faulted"]
+
+
+def test_a_rank_that_disconnects_mid_park_gets_the_others_undone(daemon: EmbeddedDaemon) -> None:
+    hang = threading.Event()
+    r1, r2 = Recorder(), Recorder(hang=hang)
+    with offload_client(daemon, "a", r1) as a1, offload_client(daemon, "b", Recorder()) as b:
+        a2 = offload_client(daemon, "a", r2)
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(b.acquire(timeout=20)))
+        t.start()
+        wait_for(lambda: r2.calls != [] and r1.calls != [])  # both ranks were told to park; rank 2 hangs
+        assert a2._sock is not None
+        a2._sock.shutdown(socket.SHUT_RDWR)  # rank 2's connection drops mid-park
+        hang.set()
+        a2.close()
+        t.join(20)
+        assert got and got[0].job == "b"
+        wait_for(lambda: [c[0] for c in r1.calls] == ["park", "unpark"])  # rank 1 was brought back
+        assert r1.resident
+        assert "connection closed" in job_status(a1, "a")["faulted"]

@@ -14,17 +14,15 @@ from typing import Any, TypeVar
 from .. import errors
 from ..backends.base import ParkSpec
 from ..wire.messages import Push, Reply
+from .directives import OffloadExecutor, directive_worker, run_directive
 from .protocol import (
     ClientProtocol,
     Grant,
-    OffloadExecutor,
     acquire_args,
-    directive_pool,
     hello_args,
     register_args,
     resolve_address,
     result_of,
-    run_directive,
 )
 
 log = logging.getLogger(__name__)
@@ -71,7 +69,7 @@ class AsyncClient:
         self._lost: errors.TimeslicedError | None = None
         self._connecting = asyncio.Lock()
         # One worker: directives run in the order the daemon sent them (a park before its unpark).
-        self._directives: concurrent.futures.ThreadPoolExecutor | None = None  # started by the first directive
+        self._directives: concurrent.futures.ThreadPoolExecutor | None = None  # while connected
         self._directive_tasks: set[asyncio.Task[None]] = set()
 
     async def connect(self) -> None:
@@ -90,6 +88,8 @@ class AsyncClient:
                 raise errors.ConnectionLost(f"cannot reach the timesliced daemon at {self.address}: {exc}") from None
             self._writer = writer
             self._lost = None
+            if self._directives is None:
+                self._directives = directive_worker(self.job)
             self._proto = ClientProtocol()
             self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(reader))
         try:
@@ -116,9 +116,14 @@ class AsyncClient:
             await asyncio.wait_for(writer.wait_closed(), 5)
         except (OSError, asyncio.TimeoutError):
             pass
-        if self._directives is not None:
-            self._directives.shutdown(wait=False)
-            self._directives = None
+        pool, self._directives = self._directives, None
+        tasks = list(self._directive_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if pool is not None:
+            # A park in progress finishes (the job's bytes are in flight), off the event loop.
+            await asyncio.get_running_loop().run_in_executor(None, pool.shutdown, True)
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -230,7 +235,10 @@ class AsyncClient:
     async def _carry_out(self, data: dict[str, Any]) -> None:
         """Run one offload directive in a worker thread, then report back."""
         loop = asyncio.get_running_loop()
-        answer = await loop.run_in_executor(directive_pool(self), run_directive, self.offloader, data)
+        pool = self._directives
+        if pool is None:
+            return  # closed meanwhile
+        answer = await loop.run_in_executor(pool, run_directive, self.offloader, data)
         try:
             self._send("offload_done", answer, track=False)
         except errors.TimeslicedError:

@@ -7,23 +7,17 @@ wait.
 
 from __future__ import annotations
 
-import concurrent.futures
-import logging
 import os
 import sys
-import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from .. import errors
 from ..backends.base import METHODS, ParkSpec
 from ..config import default_socket_path, parse_host_port
 from ..wire.codec import DEFAULT_MAX_FRAME, FrameDecoder, encode
 from ..wire.messages import PROTOCOL_VERSION, Push, Reply, Request, parse_incoming
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -124,61 +118,6 @@ def register_args(
 
 def park_to_wire(spec: ParkSpec) -> dict[str, Any]:
     return {"method": spec.method, "endpoints": list(spec.endpoints), "tags": list(spec.tags), "level": spec.level}
-
-
-class OffloadExecutor(Protocol):
-    """What carries out the daemon's offload directives inside the workload.
-
-    ``timesliced.client.offload.Offloader`` and ``torch_offload.TorchOffload``
-    are such executors; ``park`` / ``unpark`` return figures (a mapping, or an
-    object with ``to_wire()``) with at least ``nbytes`` and ``seconds``, and
-    ``footprint`` (gpu -> bytes held when resident) where known.
-    """
-
-    def park(self, tags: Sequence[str] = ..., *, verify: bool | None = ...) -> Any: ...
-
-    def unpark(self, tags: Sequence[str] = ..., *, verify: bool | None = ...) -> Any: ...
-
-
-def directive_pool(client: Any) -> concurrent.futures.ThreadPoolExecutor:
-    """The client's one directive worker: directives run in the order sent (a park before its unpark)."""
-    if client._directives is None:
-        client._directives = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"timesliced-{client.job}")
-    pool: concurrent.futures.ThreadPoolExecutor = client._directives
-    return pool
-
-
-def run_directive(executor: OffloadExecutor | None, data: Mapping[str, Any]) -> dict[str, Any]:
-    """Carry out one ``offload`` push; returns the args of the ``offload_done`` request.
-
-    Runs in a worker thread: the copies block. A client without an executor
-    has nothing registered and answers at once with zero bytes.
-    """
-    directive = data.get("directive")
-    action = data.get("action")
-    tags = [str(t) for t in data.get("tags") or ()]
-    verify = bool(data.get("verify"))
-    started = time.perf_counter()
-    try:
-        if action not in ("park", "unpark"):
-            raise errors.BadRequest(f"unknown offload action {action!r}")
-        if executor is None:
-            return {"directive": directive, "ok": True, "nbytes": 0, "seconds": 0.0, "footprint": {}}
-        move = executor.park if action == "park" else executor.unpark
-        stats = move(tags, verify=verify)
-        figures = stats.to_wire() if hasattr(stats, "to_wire") else dict(stats)
-        footprint = figures.get("footprint") or figures.get("per_gpu") or {}
-        return {
-            "directive": directive,
-            "ok": True,
-            "nbytes": int(figures.get("nbytes", 0)),
-            "seconds": float(figures.get("seconds", time.perf_counter() - started)),
-            "footprint": {str(gpu): int(n) for gpu, n in footprint.items()},
-        }
-    except Exception as exc:
-        log.exception("offload %s failed", action)
-        message = exc.message if isinstance(exc, errors.TimeslicedError) else f"{exc.__class__.__name__}: {exc}"
-        return {"directive": directive, "ok": False, "error": message}
 
 
 def acquire_args(timeout: float | None) -> dict[str, Any]:

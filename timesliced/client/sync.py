@@ -16,18 +16,16 @@ from typing import Any, TypeVar
 from .. import errors
 from ..backends.base import ParkSpec
 from ..wire.messages import Push, Reply
+from .directives import OffloadExecutor, directive_worker, run_directive
 from .protocol import (
     Address,
     ClientProtocol,
     Grant,
-    OffloadExecutor,
     acquire_args,
-    directive_pool,
     hello_args,
     register_args,
     resolve_address,
     result_of,
-    run_directive,
 )
 
 log = logging.getLogger(__name__)
@@ -82,7 +80,7 @@ class Client:
         self._reader: threading.Thread | None = None
         self._lost: errors.TimeslicedError | None = None
         # One worker: directives run in the order the daemon sent them (a park before its unpark).
-        self._directives: concurrent.futures.ThreadPoolExecutor | None = None  # started by the first directive
+        self._directives: concurrent.futures.ThreadPoolExecutor | None = None  # while connected
 
     # --- connection ------------------------------------------------------------------
 
@@ -97,6 +95,8 @@ class Client:
             sock.settimeout(None)
             self._sock = sock
             self._lost = None
+            if self._directives is None:
+                self._directives = directive_worker(self.job)
             self._proto = ClientProtocol()
             self._reader = threading.Thread(target=self._read_loop, name=f"timesliced-{self.job}", daemon=True)
             self._reader.start()
@@ -122,9 +122,9 @@ class Client:
         sock.close()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5)
-        if self._directives is not None:
-            self._directives.shutdown(wait=False)
-            self._directives = None
+        pool, self._directives = self._directives, None
+        if pool is not None:
+            pool.shutdown(wait=True)  # a park in progress finishes: the job's bytes are in flight
 
     def __enter__(self) -> Client:
         self.connect()
@@ -295,7 +295,12 @@ class Client:
             if message.event == "faulted":
                 self.faulted = str(message.data.get("reason", "faulted"))
             elif message.event == "offload":
-                directive_pool(self).submit(self._carry_out, message.data)
+                pool = self._directives
+                if pool is not None:  # None once closed: nothing may move after close() returns
+                    try:
+                        pool.submit(self._carry_out, message.data)
+                    except RuntimeError:
+                        pass  # closing
             if self.on_push is not None:
                 try:
                     self.on_push(message.event, message.data)

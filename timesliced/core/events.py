@@ -6,7 +6,7 @@ hand, and a later multi-node transport can carry them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import TimeslicedError
 
@@ -135,6 +135,9 @@ class GrantLock:
     restored: bool
     tickets: tuple[Ticket, ...]
     again: bool = False  # the job already held the lock: same fence, nothing moved
+    # Something moved for this grant (the job was restored, or only others were parked).
+    # Figures only, so it takes no part in equality.
+    switched: bool = field(default=False, compare=False)
 
     def info(self) -> dict[str, object]:
         return {

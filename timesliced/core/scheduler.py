@@ -653,10 +653,16 @@ class Scheduler:
         if switched:
             group.switches += 1
             group.switch_times.append(switch_s)
-        self._emit(GrantLock(group.name, job.name, group.fence, waited, switch_s, restored, tuple(waiter.tickets)))
+        self._emit(
+            GrantLock(
+                group.name, job.name, group.fence, waited, switch_s, restored, tuple(waiter.tickets), switched=switched
+            )
+        )
 
     def _drop_ticket(self, group: Group, waiter: Waiter, ticket: Ticket) -> None:
         del waiter.tickets[ticket]
+        if not waiter.tickets and group.blocked == waiter.job:
+            group.blocked = None  # its next wait is a new one
         if not waiter.tickets:
             group.queue.remove(waiter)
 

@@ -52,7 +52,7 @@ from ..telemetry import SimGpuSource, SwitchLog, Telemetry
 from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
 from .compat import TaskGroup, timeout
 from .parking import Parking, open_parking, parse_park
-from .processes import descendants, pid_alive
+from .processes import PID_MAX, descendants, owner_uid, pid_alive
 from .server import DEFERRED, ClientServer, Connection
 from .view import DaemonView
 
@@ -81,13 +81,16 @@ class Daemon:
             backend=self.parking.default,
         )
         self._sim_source = self._sim_gpu_source()
-        self.telemetry = Telemetry(self.parking.nvml or self._sim_source, interval=config.telemetry_interval)
+        self.telemetry = Telemetry(
+            self.parking.nvml or self._sim_source, interval=config.telemetry_interval, clock=self._now
+        )
         self.metrics = Metrics(self.status, node=config.node)
         self.web_url: str | None = None
         self._web: web.AppRunner | None = None
         self.switches = SwitchLog()
         self.history = History()
         self.started_at = time.time()
+        self.started_loop = 0.0  # loop time at run()
         self.tcp_address: tuple[str, int] | None = None
         self._sessions: dict[int, Connection] = {}  # registered connections by session id
         self._regions: dict[tuple[str, int], tuple[int, int]] = {}  # (job, region) -> (gpu, bytes)
@@ -106,9 +109,12 @@ class Daemon:
     async def run(self, ready: Callable[[Daemon], None] | None = None) -> None:
         """Bind the sockets, call ``ready(self)``, serve until ``stop()``."""
         self._loop = asyncio.get_running_loop()
+        self.started_loop = self._loop.time()
         self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        bound = False
         try:
             await self.server.start_unix(self.config.resolved_socket())
+            bound = True
             if self.config.listen is not None:
                 self.tcp_address = await self.server.start_tcp(*self.config.listen)
             if self.config.web is not None:
@@ -134,21 +140,31 @@ class Daemon:
                 if ready is not None:
                     ready(self)
                 await self._stopping.wait()
+                # Stop listening and drop the connections while nothing new can start:
+                # sessions that close now must not begin moves on the way out.
+                await self._close_front()
                 self._tasks = None
                 for task in list(self._children):
                     task.cancel()
         finally:
             self._tasks = None
+            self._stopping.set()
+            await self._close_front()
             if self._timer is not None:
                 self._timer.cancel()
-            if self._web is not None:
-                await self._web.cleanup()
-            await self.server.close()
-            try:
-                self.config.resolved_socket().unlink()
-            except FileNotFoundError:
-                pass
+            if bound:  # never the socket of another daemon that is serving
+                try:
+                    self.config.resolved_socket().unlink()
+                except FileNotFoundError:
+                    pass
             await self.parking.aclose()
+
+    async def _close_front(self) -> None:
+        """Close the dashboard and the client listeners and connections (idempotent)."""
+        web_runner, self._web = self._web, None
+        if web_runner is not None:
+            await web_runner.cleanup()
+        await self.server.close()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -174,11 +190,9 @@ class Daemon:
     # --- connections (called by ClientServer) ----------------------------------------
 
     def close_connection(self, conn: Connection) -> None:
-        for directive, (session, answer) in list(self._directives.items()):
+        for session, answer in self._directives.values():
             if session == conn.id and not answer.done():
-                gone = errors.BackendError("the job's connection closed before it carried out the offload")
-                answer.set_exception(gone)
-                del self._directives[directive]
+                answer.set_result({"ok": False, "error": "the connection closed before it carried out the offload"})
         if self._sessions.pop(conn.id, None) is not None:
             self._feed(SessionClosed(conn.id))
 
@@ -189,9 +203,7 @@ class Daemon:
         return handler(self, conn, request_id, args)
 
     def _op_register(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        pids = set(arg_int_list(args, "pids") or [])
-        if conn.peer.pid is not None:
-            pids.add(conn.peer.pid)  # the kernel's word beats the client's
+        pids = checked_pids(arg_int_list(args, "pids") or [], conn.peer)
         gpus = arg_int_list(args, "gpus", max_len=64)
         job = arg_str(args, "job")
         spec = parse_park(args.get("park"), self.parking.default)
@@ -249,9 +261,9 @@ class Daemon:
         entry = self._directives.get(directive)
         if entry is None or entry[0] != conn.id:
             raise errors.BadRequest(f"no offload directive {directive} is waiting on this connection")
-        del self._directives[directive]
+        answer = parse_offload_done(args, set(self.scheduler.capacities))
         if not entry[1].done():
-            entry[1].set_result(dict(args))
+            entry[1].set_result(answer)
         return {}
 
     def _op_status(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
@@ -350,16 +362,17 @@ class Daemon:
 
     def _apply_one(self, effect: Effect) -> None:
         if isinstance(effect, GrantLock):
-            if not effect.again:
-                switched = effect.restored or effect.switch_s > 0
-                self.metrics.observe_grant(effect.group, effect.waited_s, effect.switch_s, switched)
             log.debug("grant %s fence %d to %s (restored=%s)", effect.group, effect.fence, effect.job, effect.restored)
             for session, rid in effect.tickets:
                 if conn := self._sessions.get(session):
                     conn.reply(rid, effect.info())
+            if not effect.again:
+                self.metrics.observe_grant(effect.group, effect.waited_s, effect.switch_s, effect.switched)
         elif isinstance(effect, FailRequest):
             if conn := self._sessions.get(effect.ticket[0]):
                 conn.fail(effect.ticket[1], effect.error)
+        elif isinstance(effect, (SnapshotJob, RestoreJob, ReclaimJob)) and self._stopping.is_set():
+            log.debug("stopping: %r is not started", effect)
         elif isinstance(effect, (SnapshotJob, RestoreJob)):
             self._spawn(self._move(effect))
         elif isinstance(effect, ReclaimJob):
@@ -393,7 +406,7 @@ class Daemon:
         if self._tasks is None:
             coro.close()
             raise RuntimeError("daemon is not running")
-        task = self._tasks.create_task(coro)
+        task = self._tasks.create_task(_guarded(coro))
         self._children.add(task)
         task.add_done_callback(self._children.discard)
 
@@ -419,10 +432,13 @@ class Daemon:
             result.seconds,
             result.gbps,
         )
-        if result.footprint:
-            self._measured[effect.job] = dict(result.footprint)
-        self.switches.record(effect.job, kind, result.nbytes, result.seconds, self._now())
-        self.metrics.observe_move(kind, backend.name, result.nbytes, result.seconds)
+        try:
+            if result.footprint:
+                self._measured[effect.job] = dict(result.footprint)
+            self.switches.record(effect.job, kind, result.nbytes, result.seconds, self._now())
+            self.metrics.observe_move(kind, backend.name, result.nbytes, result.seconds)
+        except Exception:  # figures are not worth a lost move: the scheduler must hear of it
+            log.exception("recording the %s of job %r failed", kind, effect.job)
         self._feed(MoveFinished(effect.op, True, result.nbytes, result.seconds))
 
     async def _reclaim(self, effect: ReclaimJob) -> None:
@@ -498,7 +514,7 @@ class Daemon:
             conn.push("offload", {"directive": directive, "action": action, **args})
             answers.append((directive, answer))
         try:
-            return list(await asyncio.gather(*(a for _, a in answers)))
+            return list(await asyncio.gather(*(a for _, a in answers)))  # an answer never raises
         finally:
             for directive, _ in answers:
                 self._directives.pop(directive, None)
@@ -510,3 +526,57 @@ class Daemon:
         if spec.method in ("vllm", "sglang"):
             pids |= descendants(pids)  # an engine's memory sits in its worker processes
         return JobTarget(job, self.scheduler.groups[core.group].gpus, tuple(sorted(pids)), spec)
+
+
+async def _guarded(coro: Any) -> None:
+    """A child task that fails is logged; it never takes the daemon down with it."""
+    try:
+        await coro
+    except Exception:
+        log.exception("a daemon task failed")
+
+
+def checked_pids(claimed: list[int], peer: Any) -> set[int]:
+    """The PIDs a connection may register for its job; raises ``BadRequest`` / ``PermissionDenied``.
+
+    The kernel's word (SO_PEERCRED) is always in. Other PIDs must exist and belong to the
+    peer's user, unless the peer is root. Over TCP the PIDs would be another machine's:
+    the job is followed through its connections alone.
+    """
+    if peer.pid is None:
+        return set()
+    pids = {peer.pid}
+    for pid in set(claimed) - pids:
+        if not 2 <= pid <= PID_MAX:
+            raise errors.BadRequest(f"PID {pid} is not a process id")
+        owner = owner_uid(pid)
+        if owner is None:
+            raise errors.BadRequest(f"no process {pid} on this node")
+        if peer.uid not in (0, owner):
+            raise errors.PermissionDenied(f"process {pid} belongs to another user")
+        pids.add(pid)
+    return pids
+
+
+MAX_ERROR_CHARS = 1024
+
+
+def parse_offload_done(args: dict[str, Any], gpus: set[int]) -> dict[str, Any]:
+    """A client's answer to an offload directive, checked; raises ``BadRequest``."""
+    ok = args.get("ok")
+    if not isinstance(ok, bool):
+        raise errors.BadRequest("'ok' must be true or false")
+    if not ok:
+        error = args.get("error")
+        return {"ok": False, "error": (error if isinstance(error, str) else "no reason given")[:MAX_ERROR_CHARS]}
+    footprint = args.get("footprint") or {}
+    if not isinstance(footprint, dict) or len(footprint) > len(gpus):
+        raise errors.BadRequest("'footprint' must map GPUs of this node to byte counts")
+    checked: dict[str, int] = {}
+    for gpu, n in footprint.items():
+        if not (isinstance(gpu, str) and gpu.isdigit() and int(gpu) in gpus):
+            raise errors.BadRequest(f"'footprint' names GPU {gpu!r}, which this node does not have")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise errors.BadRequest("'footprint' byte counts must be non-negative integers")
+        checked[gpu] = n
+    return {"ok": True, "nbytes": arg_int(args, "nbytes", minimum=0), "footprint": checked}

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import errors
 from ..backends.base import METHODS, Backend, DeviceInfo, GpuMemory, ParkSpec
 from ..backends.offload import Direct, OffloadBackend
 from ..config import DaemonConfig
 from ..wire.messages import arg_int, arg_str, arg_str_list
+
+if TYPE_CHECKING:
+    from ..backends.cuda_checkpoint import CudaCheckpointBackend
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,8 @@ def open_parking(config: DaemonConfig, direct: Direct) -> Parking:
     backends: dict[str, Backend] = {}
     unavailable: dict[str, str] = {}
     sim = None
-    if nvml is not None and real:
+    if real:
+        assert nvml is not None
         devices, source = nvml.devices(), "nvml"
         unavailable["sim"] = "the node has real GPUs (start with --backend sim to simulate)"
     else:
@@ -107,7 +111,7 @@ def open_parking(config: DaemonConfig, direct: Direct) -> Parking:
     else:
         unavailable["cuda-checkpoint"] = checkpoint_verdict if checkpoint is None else "the GPUs are simulated"
         if checkpoint is not None:
-            _close_quietly(checkpoint)
+            checkpoint.close()
     memory: GpuMemory | None = nvml if real else None
     backends["offload"] = OffloadBackend(direct, verify=config.offload_verify)
     from ..backends.engines import make_engine_backend
@@ -129,7 +133,7 @@ def _open_sim(config: DaemonConfig) -> Any:
     )
 
 
-def _open_cuda_checkpoint(config: DaemonConfig, nvml: Any) -> tuple[Backend | None, str]:
+def _open_cuda_checkpoint(config: DaemonConfig, nvml: Any) -> tuple[CudaCheckpointBackend | None, str]:
     """The backend and "ok", or None and why not."""
     from ..backends import cuda_checkpoint
 
@@ -138,12 +142,6 @@ def _open_cuda_checkpoint(config: DaemonConfig, nvml: Any) -> tuple[Backend | No
     except errors.BackendUnavailable as exc:
         return None, exc.message
     return backend, "ok"
-
-
-def _close_quietly(backend: Any) -> None:
-    close = getattr(backend, "close", None)
-    if close is not None:
-        close()
 
 
 def parse_park(raw: Any, default: str) -> ParkSpec:

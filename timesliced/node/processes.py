@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+PID_MAX = 1 << 22  # the kernel's ceiling for pid_max on 64-bit systems
+
 
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie waiting to be reaped."""
+    if not 0 < pid <= PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -74,3 +78,15 @@ def _parent_and_state(pid: str) -> tuple[int, bytes] | None:
         return int(fields[1]), fields[0]
     except ValueError:
         return None
+
+
+def owner_uid(pid: int) -> int | None:
+    """The real uid of ``pid``, or None if it is gone (or there is no procfs)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

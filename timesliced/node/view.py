@@ -29,7 +29,7 @@ class DaemonView:
         """Spans of the last ``window_s`` seconds, or since the daemon started if that is shorter."""
         now = self._d.loop_time()
         wall = time.time() - now  # loop time + wall = epoch seconds
-        window_s = min(window_s, max(MIN_WINDOW_S, time.time() - self._d.started_at))
+        window_s = min(window_s, max(MIN_WINDOW_S, now - self._d.started_loop))
         since = now - window_s
         return {
             "now": now + wall,
