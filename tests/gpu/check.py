@@ -221,6 +221,9 @@ def measure_ceiling(nbytes: int = GiB, repeats: int = 5, gpu: int = 0) -> dict[s
             return nbytes / min(timed(issue) for _ in range(repeats)) / GB
 
         return {
+            # Whether NVML sees this process's memory under its PID: cuda-checkpoint finds a job's
+            # processes that way, which a daemon outside the host's PID namespace cannot.
+            "nvml_sees_own_pid_bytes": _own_pid_bytes(gpu),
             "h2d_gbps": best(lambda: h2d(s1, 0, nbytes)),
             "d2h_gbps": best(lambda: d2h(s1, 0, nbytes)),
             "bidir_gbps": best(both_ways),
@@ -238,6 +241,15 @@ def measure_ceiling(nbytes: int = GiB, repeats: int = 5, gpu: int = 0) -> dict[s
         for name, *args in [*cleanup, ("cuCtxPopCurrent",), ("cuDevicePrimaryCtxRelease", device)]:
             with contextlib.suppress(workload.CudaError):
                 cu(name, *args)
+
+
+def _own_pid_bytes(gpu: int) -> int | None:
+    from timesliced.nvml import Nvml
+
+    with contextlib.closing(Nvml.open()) as nvml:
+        if not nvml.available:
+            return None
+        return nvml.process_memory().get(os.getpid(), {}).get(gpu)
 
 
 # --- 3. one backend -----------------------------------------------------------------------

@@ -65,7 +65,8 @@ def test_nvml_sees_a_gpu_and_auto_picks_cuda_checkpoint(gpu: dict[str, Any], nvm
 
 def test_offloader_round_trip_keeps_the_pointer_and_frees_the_gpu(nvml: Any) -> None:
     nbytes = 256 * MiB
-    data = random.Random(20250101).randbytes(nbytes)
+    rng = random.Random(20250101)
+    data = b"".join(rng.randbytes(MiB) for _ in range(nbytes // MiB))  # randbytes caps at 2**31 bits
     memory = CudaDeviceMemory()
     offloader = Offloader(memory, verify=True)
     try:

@@ -31,6 +31,7 @@ that is reserved but not mapped (a parked region) and
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import functools
 import importlib
@@ -624,12 +625,15 @@ class CudaDeviceMemory:
             try:
                 with self._on(span.gpu):
                     (handle,) = self._call("cuMemCreate", nbytes, self._prop(span.gpu), 0)
+                    # The mapping keeps the physical memory alive; with the handle
+                    # released, cuMemUnmap alone frees it, so nothing can leak.
                     try:
                         self._call("cuMemMap", self._ptr(va), nbytes, 0, handle, 0)
-                    finally:
-                        # The mapping keeps the physical memory alive; with the handle
-                        # released, cuMemUnmap alone frees it, so nothing can leak.
-                        self._call("cuMemRelease", handle)
+                    except BaseException:
+                        with contextlib.suppress(BackendError):  # keep the map's own error
+                            self._call("cuMemRelease", handle)
+                        raise
+                    self._call("cuMemRelease", handle)
                     access = d.CUmemAccessDesc()
                     access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                     access.location.id = span.gpu
