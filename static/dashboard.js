@@ -3,7 +3,7 @@
 // No framework and no external files: it must work on an air-gapped cluster.
 //
 // The render functions below produce the same markup as web/macros.html (the first paint),
-// and the format functions match timesliced/dashboard.py: keep them in step.
+// and the format functions match timesliced/dashboard/formatting.py: keep them in step.
 (function () {
   "use strict";
 
@@ -35,7 +35,7 @@
     }
   }
 
-  // --- formatting (the same as timesliced/dashboard.py) -------------------------------
+  // --- formatting (the same as timesliced/dashboard/formatting.py) -------------------------------
 
   function fixed(value, digits) {
     const scale = 10 ** digits;

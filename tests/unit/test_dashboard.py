@@ -903,12 +903,12 @@ def test_static_assets_have_their_content_types_and_etags() -> None:
 @pytest.mark.parametrize(
     "path",
     [
-        "/static/../timesliced/dashboard.py",
-        "/static/%2e%2e/timesliced/dashboard.py",
-        "/static/..%2ftimesliced%2fdashboard.py",
-        "/static/%2e%2e%2ftimesliced%2fdashboard.py",
+        "/static/../timesliced/dashboard/app.py",
+        "/static/%2e%2e/timesliced/dashboard/app.py",
+        "/static/..%2ftimesliced%2fdashboard%2fapp.py",
+        "/static/%2e%2e%2ftimesliced%2fdashboard%2fapp.py",
         "/static/%2e%2e%2f%2e%2e%2f%2e%2e%2fetc%2fpasswd",
-        "/static/..%5c..%5ctimesliced%5cdashboard.py",
+        "/static/..%5c..%5ctimesliced%5cdashboard%5capp.py",
         "/static//etc/passwd",
         "/static/%2fetc%2fpasswd",
         "/static/README.md",
