@@ -79,6 +79,37 @@ def default_sim_dir(state_dir: Path) -> Path:
     return base / f"timesliced-{os.getuid()}-{digest}"
 
 
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Several daemons that elect one leader (``--peers`` and friends)."""
+
+    members: dict[str, tuple[str, int]]  # node id -> the address its peers dial, this node's own included
+    listen: tuple[str, int]  # where this node accepts its peers
+    token: str = field(repr=False)  # shared by every member; never logged, never sent
+    election_timeout: tuple[float, float] = (1.0, 2.0)
+    heartbeat_interval: float = 0.25
+
+
+PEER_TOKEN_ENV = "TIMESLICED_PEER_TOKEN"
+
+
+def read_peer_token(path: Path | None) -> str:
+    """The cluster's shared token from ``path`` or ``$TIMESLICED_PEER_TOKEN``; raises ``ValueError``."""
+    if path is None:
+        token = os.environ.get(PEER_TOKEN_ENV, "")
+        where = f"${PEER_TOKEN_ENV}"
+    else:
+        try:
+            token = path.read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read the peer token file {path}: {exc.strerror}") from None
+        where = str(path)
+    token = token.strip()
+    if len(token) < 16:
+        raise ValueError(f"a cluster needs a shared token of at least 16 characters in {where} (--peer-token-file)")
+    return token
+
+
 @dataclass
 class DaemonConfig:
     state_dir: Path = field(default_factory=default_state_dir)
@@ -106,6 +137,7 @@ class DaemonConfig:
     web: tuple[str, int] | None = None  # the dashboard, /metrics and /api/v1 (``serve`` turns it on by default)
     web_any_port: bool = False  # True: if the web address is taken, take a free port (and log it)
     admin_token: str | None = field(default=None, repr=False)  # dashboard admin actions; never logged
+    cluster: ClusterConfig | None = None  # None: a single daemon, its own leader
 
     def resolved_socket(self) -> Path:
         return self.socket_path or default_socket_path(self.state_dir)

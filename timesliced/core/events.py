@@ -27,6 +27,8 @@ class JobRegistered:
     # True: the job's device memory is not accounted by the scheduler (a real process parked by
     # cuda-checkpoint, offload or an engine endpoint), so it must have its GPUs to itself when granted.
     exclusive: bool = False
+    # The cluster slot of the node the session is on (see cluster/ids.py); ``gpus`` are its GPUs.
+    node: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class MoveFinished:
     nbytes: int = 0
     seconds: float = 0.0
     error: str = ""
+    # A failed restore whose outcome is unknown on some node (it did not answer): count the
+    # job's memory as taken there rather than risk putting a second job on top of it.
+    kept_memory: bool = False
 
 
 @dataclass(frozen=True)

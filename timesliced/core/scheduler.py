@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import errors
+from ..cluster.ids import gpu_slot
 from .events import (
     AcquireCancelled,
     AcquireRequested,
@@ -173,6 +174,10 @@ class Scheduler:
         self._pending_allocs: list[_PendingAlloc] = []
         self._deadlines: list[tuple[float, Ticket]] = []  # heap, stale entries skipped lazily
         self._next_op = 1
+        self.frozen: dict[str, str] = {}
+        self._settled: dict[
+            int, dict[int, int]
+        ] = {}  # settle op -> the job's whole footprint  # group -> why nothing may be granted in it now
         self._handlers: dict[type, Callable[[Any, float], Any]] = {
             JobRegistered: self._on_registered,
             SessionClosed: self._on_session_closed,
@@ -224,6 +229,69 @@ class Scheduler:
     def drain(self) -> list[Effect]:
         out, self._effects = self._effects, []
         return out
+
+    # --- rebuilding (a new cluster leader takes over what the nodes report) ------------
+
+    def add_devices(self, capacities: dict[int, int]) -> None:
+        """GPUs of a node that joined; known GPUs keep their capacity."""
+        for gpu, cap in capacities.items():
+            self.capacities.setdefault(gpu, cap)
+
+    def adopt_group(self, name: str, gpus: tuple[int, ...], now: float) -> None:
+        if name in self.groups or not gpus or not set(gpus) <= set(self.capacities):
+            raise ValueError(f"group {name!r} cannot be adopted with GPUs {list(gpus)}")
+        self.groups[name] = Group(name, tuple(sorted(gpus)), created_at=now)
+
+    def extend_group(self, name: str, gpus: Iterable[int]) -> None:
+        """The group also spans ``gpus`` (another node's, known GPUs only)."""
+        group = self.groups[name]
+        group.gpus = tuple(sorted(set(group.gpus) | (set(gpus) & set(self.capacities))))
+
+    def adopt_job(
+        self,
+        name: str,
+        group: str,
+        exclusive: bool,
+        location: Location,
+        footprint: dict[int, int],
+        faulted: str = "",
+    ) -> None:
+        """A job the nodes report, with where its state lives and what it holds on each GPU."""
+        if name in self.jobs or group not in self.groups:
+            raise ValueError(f"job {name!r} cannot be adopted into group {group!r}")
+        if location not in (Location.RESIDENT, Location.PARKED):
+            raise ValueError(f"a job is adopted resident or parked, not {location.value}")
+        unknown = sorted(set(footprint) - set(self.capacities))
+        if unknown:
+            raise ValueError(f"job {name!r} holds memory on unknown GPUs {unknown}")
+        job = Job(name, group, exclusive=exclusive, location=location, faulted=faulted)
+        job.footprint = {gpu: n for gpu, n in footprint.items() if n}
+        self.jobs[name] = job
+
+    def adopt_holder(self, group: str, job: str, sessions: set[SessionId], fence: int, now: float) -> None:
+        """``job`` holds ``group`` through ``sessions`` under ``fence`` (granted by an earlier leader)."""
+        g, j = self.groups[group], self.jobs[job]
+        if j.group != group or j.location is not Location.RESIDENT or j.faulted or not sessions <= j.sessions:
+            raise ValueError(f"job {job!r} cannot hold group {group!r} ({j.location.value}, faulted={bool(j.faulted)})")
+        g.holder, g.holder_sessions, g.held_since = job, set(sessions), now
+        g.fence = max(g.fence, fence)
+
+    def raise_fence(self, group: str, fence: int) -> None:
+        """New grants of ``group`` get fences above ``fence`` (the highest any node has seen)."""
+        g = self.groups[group]
+        g.fence = max(g.fence, fence)
+
+    def settle(self, name: str, now: float, footprint: dict[int, int]) -> None:
+        """Park a job that some nodes hold resident and others parked (a switch cut short).
+
+        It was adopted with the memory of its resident parts only (what the GPUs really
+        hold); once parked everywhere it owns ``footprint``, its memory on every node.
+        """
+        job = self.jobs[name]
+        if job.location is not Location.RESIDENT or self._holds(job):
+            raise ValueError(f"job {name!r} cannot be settled: it is {job.location.value} or holds its group")
+        op = self._start_move(job, "snapshot", now)
+        self._settled[op] = dict(footprint)
 
     # --- queries ---------------------------------------------------------------------
 
@@ -300,16 +368,19 @@ class Scheduler:
     def _on_registered(self, ev: JobRegistered, now: float) -> dict[str, Any]:
         if ev.session in self.sessions:
             raise errors.AlreadyRegistered(f"this connection already registered job {self.sessions[ev.session]!r}")
+        node_gpus = tuple(sorted(g for g in self.capacities if gpu_slot(g) == ev.node))
         if ev.gpus is not None:
             if not ev.gpus:
                 raise errors.BadRequest("a group needs at least one GPU")
-            unknown = sorted(set(ev.gpus) - set(self.capacities))
+            unknown = sorted(set(ev.gpus) - set(node_gpus))
             if unknown:
-                raise errors.UnknownDevice(f"no GPU {unknown} on this node (it has {sorted(self.capacities)})")
+                raise errors.UnknownDevice(f"no GPU {unknown} on this node (it has {list(node_gpus)})")
         group = self.groups.get(ev.group)
         gpus = tuple(sorted(set(ev.gpus))) if ev.gpus is not None else None
-        if group is not None and gpus is not None and gpus != group.gpus:
-            raise errors.GroupMismatch(f"group {ev.group!r} has GPUs {list(group.gpus)}, not {list(gpus)}")
+        # A group may span nodes: on each node it has one set of GPUs, fixed by its first registration there.
+        here = tuple(g for g in group.gpus if gpu_slot(g) == ev.node) if group is not None else ()
+        if here and gpus is not None and gpus != here:
+            raise errors.GroupMismatch(f"group {ev.group!r} has GPUs {list(here)}, not {list(gpus)}")
         job = self.jobs.get(ev.job)
         if job is not None and job.group != ev.group:
             raise errors.GroupMismatch(f"job {ev.job!r} belongs to group {job.group!r}, not {ev.group!r}")
@@ -317,9 +388,13 @@ class Scheduler:
             raise errors.JobFaulted(f"job {ev.job!r} is being torn down; register again shortly")
         if job is not None and job.exclusive != ev.exclusive:
             raise errors.BadRequest(f"job {ev.job!r} is already registered with another parking method")
+        if not node_gpus:
+            raise errors.UnknownDevice("this node has no GPUs")
         if group is None:
-            group = Group(ev.group, gpus or tuple(sorted(self.capacities)), created_at=now)
+            group = Group(ev.group, gpus or node_gpus, created_at=now)
             self.groups[ev.group] = group
+        elif not here:
+            group.gpus = tuple(sorted(group.gpus + (gpus or node_gpus)))
         if job is None:
             job = Job(ev.job, ev.group, exclusive=ev.exclusive)
             self.jobs[ev.job] = job
@@ -438,10 +513,13 @@ class Scheduler:
         job.bytes_moved += ev.nbytes
         group = self.groups[job.group]
         group.bytes_moved += ev.nbytes
+        settled = self._settled.pop(ev.op, None)
         if move.kind == "snapshot":
             if ev.ok:
                 job.location = Location.PARKED
                 job.snapshots += 1
+                if settled is not None:
+                    job.footprint = {gpu: n for gpu, n in settled.items() if n}
             else:
                 # The backend keeps a failed snapshot resident: the memory stays taken.
                 job.location = Location.RESIDENT
@@ -451,8 +529,9 @@ class Scheduler:
                 job.location = Location.RESIDENT
                 job.restores += 1
             else:
-                # The backend keeps a failed restore parked and gives its pages back.
-                job.location = Location.PARKED
+                # The backend keeps a failed restore parked and gives its pages back, unless
+                # nobody knows (a node did not answer): then the memory counts as taken.
+                job.location = Location.RESIDENT if ev.kept_memory else Location.PARKED
                 self._fault(job, f"restore failed: {ev.error}")
         if job.exiting:
             self._reclaim(job, now)
@@ -537,6 +616,8 @@ class Scheduler:
 
     def _advance(self, group: Group, now: float) -> None:
         """Grant the head of the queue, or start the switch it needs."""
+        if group.name in self.frozen:
+            return  # a node of the group is out of reach: nothing is granted or moved until it is back
         if group.holder is None and group.switch is None and group.queue and not group.draining:
             head = group.queue[0]
             job = self.jobs[head.job]  # never faulted or exiting: those leave the queue at once
@@ -842,6 +923,7 @@ class Scheduler:
             "queue": [{"job": w.job, "waited_s": now - w.enqueued_at, "requests": len(w.tickets)} for w in g.queue],
             "switching_to": g.switch.incoming if g.switch else None,
             "draining": g.draining,
+            "frozen": self.frozen.get(g.name),
             "deferred": g.deferred,
             "grants": g.grants,
             "switches": g.switches,

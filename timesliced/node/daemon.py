@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import os
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,32 +22,13 @@ from aiohttp import web
 from .. import __version__, errors
 from ..backends.base import JobTarget, MoveResult, ParkSpec
 from ..backends.offload import Direct
+from ..cluster.node import PENDING, Allocate, ClusterNode, Fail, Granted, Noted, Push, Reply, RunMove, Send
+from ..cluster.state import load_election, save_election
+from ..cluster.transport import PeerTransport
 from ..config import DaemonConfig
-from ..core.events import (
-    AcquireCancelled,
-    AcquireRequested,
-    AllocateRegion,
-    DrainRequested,
-    Effect,
-    Event,
-    FailRequest,
-    ForceReleaseRequested,
-    GrantLock,
-    JobExited,
-    JobRegistered,
-    MemoryReleased,
-    MemoryRequested,
-    MoveFinished,
-    NotifyJob,
-    ReclaimFinished,
-    ReclaimJob,
-    ReleaseRequested,
-    RestoreJob,
-    SessionClosed,
-    SnapshotJob,
-)
+from ..core.election import Persist
+from ..core.events import DrainRequested, ForceReleaseRequested
 from ..core.history import GroupView, History
-from ..core.scheduler import Scheduler
 from ..metrics import Metrics
 from ..telemetry import SimGpuSource, SwitchLog, Telemetry
 from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
@@ -69,7 +51,19 @@ class Daemon:
         self.config = config
         self.parking = (parking or functools.partial(open_parking, config))(self._direct)
         devices = self.parking.devices
-        self.scheduler = Scheduler({d.index: d.capacity for d in devices}, max_waiters=config.max_waiters)
+        members = config.cluster.members if config.cluster else (config.node,)
+        self.cluster = ClusterNode(
+            config.node,
+            members,
+            {d.index: d.capacity for d in devices},
+            rng=random.Random(),
+            election_timeout=config.cluster.election_timeout if config.cluster else (1.0, 2.0),
+            heartbeat_interval=config.cluster.heartbeat_interval if config.cluster else 0.25,
+            persisted=load_election(config.state_dir) if config.cluster else None,
+            max_waiters=config.max_waiters,
+            op_timeout=config.op_timeout,
+        )
+        self.peers: PeerTransport | None = None
         self.server = ClientServer(
             self,
             max_frame=config.max_frame,
@@ -92,7 +86,7 @@ class Daemon:
         self.started_at = time.time()
         self.started_loop = 0.0  # loop time at run()
         self.tcp_address: tuple[str, int] | None = None
-        self._sessions: dict[int, Connection] = {}  # registered connections by session id
+        self._conns: dict[int, Connection] = {}  # connections that sent a request, by id
         self._regions: dict[tuple[str, int], tuple[int, int]] = {}  # (job, region) -> (gpu, bytes)
         self._park: dict[str, ParkSpec] = {}  # job -> how it is parked
         self._measured: dict[str, dict[int, int]] = {}  # job -> device bytes per GPU, from its last move
@@ -101,6 +95,7 @@ class Daemon:
         self._tasks: TaskGroup | None = None
         self._children: set[asyncio.Task[None]] = set()
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
         self._stopping = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -113,6 +108,7 @@ class Daemon:
         self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         bound = False
         try:
+            await self._start_cluster()
             await self.server.start_unix(self.config.resolved_socket())
             bound = True
             if self.config.listen is not None:
@@ -130,7 +126,7 @@ class Daemon:
                 ", ".join(self.server.addresses),
                 self.parking.default,
                 self.parking.why,
-                len(self.scheduler.capacities),
+                len(self.cluster.devices),
                 "simulated" if self.parking.device_source == "sim" else "real",
             )
             async with TaskGroup() as tasks:
@@ -150,6 +146,8 @@ class Daemon:
             self._tasks = None
             self._stopping.set()
             await self._close_front()
+            if self.peers is not None:
+                await self.peers.close()
             if self._timer is not None:
                 self._timer.cancel()
             if bound:  # never the socket of another daemon that is serving
@@ -158,6 +156,30 @@ class Daemon:
                 except FileNotFoundError:
                     pass
             await self.parking.aclose()
+
+    async def _start_cluster(self) -> None:
+        """Listen for peers (in a cluster), then start the election: a single daemon leads at once."""
+        cluster = self.config.cluster
+        if cluster is not None:
+            dial = {m: addr for m, addr in cluster.members.items() if m != self.config.node}
+            self.peers = PeerTransport(
+                self.config.node, dial, cluster.token, self._on_peer_message, on_link=self._on_peer_link
+            )
+            host, port = await self.peers.start(*cluster.listen)
+            log.info(
+                "cluster of %d: node %r listens for peers on %s:%d", len(cluster.members), self.config.node, host, port
+            )
+        self._step(self.cluster.start, self._now())
+
+    def _on_peer_message(self, sender: str, message: dict[str, Any]) -> None:
+        try:
+            self._step(self.cluster.receive, sender, message, self._now())
+        except (ValueError, KeyError, TypeError) as exc:  # one peer's bad message never stops the daemon
+            log.warning("dropped a malformed message from node %r: %s: %s", sender, exc.__class__.__name__, exc)
+
+    def _on_peer_link(self, peer: str, up: bool) -> None:
+        log.info("link to node %r is %s", peer, "up" if up else "down")
+        self._step(self.cluster.link, peer, up, self._now())
 
     async def _close_front(self) -> None:
         """Close the dashboard and the client listeners and connections (idempotent)."""
@@ -193,8 +215,8 @@ class Daemon:
         for session, answer in self._directives.values():
             if session == conn.id and not answer.done():
                 answer.set_result({"ok": False, "error": "the connection closed before it carried out the offload"})
-        if self._sessions.pop(conn.id, None) is not None:
-            self._feed(SessionClosed(conn.id))
+        if self._conns.pop(conn.id, None) is not None:
+            self._step(self.cluster.closed, conn.id, self._now())
 
     def handle_request(self, conn: Connection, request_id: int, op: str, args: dict[str, Any]) -> Any:
         handler = self._ops.get(op)
@@ -202,58 +224,69 @@ class Daemon:
             raise errors.UnknownOp(f"unknown op {op!r}; known: {', '.join(sorted(self._ops))}")
         return handler(self, conn, request_id, args)
 
+    def _request(self, conn: Connection, rid: int, op: str, args: dict[str, Any]) -> Any:
+        """Hand a client's request to the cluster (the leader, wherever it is)."""
+        self._conns[conn.id] = conn
+        result = self._step(self.cluster.request, conn.id, rid, op, args, self._now())
+        return DEFERRED if result is PENDING else result
+
     def _op_register(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         pids = checked_pids(arg_int_list(args, "pids") or [], conn.peer)
         gpus = arg_int_list(args, "gpus", max_len=64)
         job = arg_str(args, "job")
+        group = arg_str(args, "group")
         spec = parse_park(args.get("park"), self.parking.default)
         self.parking.backend(spec.method)  # refuses a method this node cannot run
         known = self._park.get(job)
-        if known is not None and known != spec and job in self.scheduler.jobs:
+        if known is not None and known != spec and job in self.cluster.jobs:
             raise errors.BadRequest(f"job {job!r} is already registered to be parked with {known}")
-        event = JobRegistered(
-            conn.id,
-            job,
-            arg_str(args, "group"),
-            tuple(gpus) if gpus is not None else None,
-            tuple(sorted(pids)),
-            exclusive=spec.method != "sim",
-        )
-        result = self._feed(event)
-        self._park[job] = spec
-        self._sessions[conn.id] = conn
-        self.history.record("registered", self._now(), group=result["group"], job=job, detail=spec.method)
-        return {**result, "session": conn.id, "park": spec.method}
+        request = {
+            "job": job,
+            "group": group,
+            "gpus": gpus,
+            "pids": sorted(pids),
+            "exclusive": spec.method != "sim",
+            "extra": {"session": conn.id, "park": spec.method},
+        }
+        result = self._request(conn, rid, "register", request)
+        self._park.setdefault(job, spec)
+        self.history.record("registered", self._now(), group=group, job=job, detail=spec.method)
+        return result
 
     def _op_acquire(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        timeout_s = arg_opt_float(args, "timeout")
-        deadline = None if timeout_s is None else self._now() + timeout_s
-        self._feed(AcquireRequested(conn.id, rid, deadline))
-        return DEFERRED
+        return self._request(conn, rid, "acquire", {"timeout": arg_opt_float(args, "timeout")})
 
     def _op_cancel(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._feed(AcquireCancelled(conn.id, arg_int(args, "request")))
+        return self._request(conn, rid, "cancel", {"request": arg_int(args, "request")})
 
     def _op_release(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._feed(ReleaseRequested(conn.id))
+        return self._request(conn, rid, "release", {})
+
+    def _job_of(self, conn: Connection) -> str:
+        job = self.cluster.sessions.get(conn.id)
+        if job is None:
+            raise errors.NotRegistered("register a job before using the lock")
+        return job
 
     def _op_sim_alloc(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         nbytes = arg_int(args, "nbytes", minimum=1)
         gpu = arg_int(args, "gpu", default=0)
-        job = self.scheduler.job_of(conn.id).name
+        job = self._job_of(conn)
         if self._park[job].method != "sim":
             raise errors.BadRequest(f"job {job!r} is parked with {self._park[job].method}: it has no simulated memory")
-        self._feed(MemoryRequested(conn.id, rid, gpu, self._sim().rounded(nbytes), nbytes))
-        return DEFERRED
+        if gpu not in self.cluster.local_gpus(job):
+            raise errors.UnknownDevice(f"GPU {gpu} is not one of this node's GPUs of job {job!r}")
+        request = {"gpu": gpu, "nbytes": self._sim().rounded(nbytes), "requested": nbytes}
+        return self._request(conn, rid, "alloc", request)
 
     def _op_sim_free(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        job = self.scheduler.job_of(conn.id).name
+        job = self._job_of(conn)
         region = arg_int(args, "region")
         if (job, region) not in self._regions:
             raise errors.UnknownRegion(f"job {job!r} has no region {region}")
         freed = self._sim().free(job, region)
         gpu, nbytes = self._regions.pop((job, region))
-        self._feed(MemoryReleased(job, gpu, nbytes))
+        self._step(self.cluster.freed, job, gpu, nbytes, self._now())
         return {"region": region, "freed": freed}
 
     def _op_offload_done(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
@@ -261,7 +294,7 @@ class Daemon:
         entry = self._directives.get(directive)
         if entry is None or entry[0] != conn.id:
             raise errors.BadRequest(f"no offload directive {directive} is waiting on this connection")
-        answer = parse_offload_done(args, set(self.scheduler.capacities))
+        answer = parse_offload_done(args, set(self.cluster.devices))
         if not entry[1].done():
             entry[1].set_result(answer)
         return {}
@@ -286,10 +319,13 @@ class Daemon:
 
     def admin(self, event: ForceReleaseRequested | DrainRequested) -> dict[str, Any]:
         """An administrator's action (the dashboard checked the token); raises ``TimeslicedError``."""
-        result: dict[str, Any] = self._feed(event)
         if isinstance(event, ForceReleaseRequested):
+            result: dict[str, Any] = self._step(
+                self.cluster.admin, "force_release", {"group": event.group}, self._now()
+            )
             what = f"force-released from {result['released']}"
         else:
+            result = self._step(self.cluster.admin, "drain", {"group": event.group, "on": event.on}, self._now())
             what = "drained" if event.on else "resumed"
         log.warning("administrator: group %r %s", event.group, what)
         self.history.record("admin", self._now(), group=event.group, detail=what)
@@ -302,7 +338,10 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         if self._sim_source is not None:  # simulated figures cost nothing to read: always current
             self.telemetry.ingest(self._sim_source.sample(), self.telemetry.clock())
-        picture = self.scheduler.describe(self._now())
+        now = self._now()
+        scheduler = self.cluster.scheduler
+        # a follower shows this node's GPUs and jobs; the groups are on the leader's dashboard
+        picture = scheduler.describe(now) if scheduler is not None else self._local_picture()
         for job in picture["jobs"]:
             spec = self._park.get(job["job"])
             job["park"] = spec.method if spec else None
@@ -318,8 +357,40 @@ class Daemon:
             "connections": len(self.server.connections),
             "counters": dict(self.server.counters),
             **picture,
-            "telemetry": self.telemetry.describe(self._now()),
+            "cluster": {**self.cluster.describe(now), "peers": self.peers.describe() if self.peers else None},
+            "telemetry": self.telemetry.describe(now),
             "moves": self._moves_with_wall_times(),
+        }
+
+    def _local_picture(self) -> dict[str, Any]:
+        c = self.cluster
+        return {
+            "devices": [
+                {
+                    "index": gpu,
+                    "capacity": cap,
+                    "used": sum(j.footprint.get(gpu, 0) for j in c.jobs.values() if j.location != "parked"),
+                    "jobs": {
+                        j.name: {"bytes": j.footprint[gpu], "location": j.location}
+                        for j in c.jobs.values()
+                        if j.footprint.get(gpu)
+                    },
+                }
+                for gpu, cap in sorted(c.devices.items())
+            ],
+            "groups": [],
+            "jobs": [
+                {
+                    "job": j.name,
+                    "group": j.group,
+                    "location": j.location,
+                    "faulted": j.faulted or None,
+                    "sessions": len(j.sessions),
+                    "pids": sorted(j.pids),
+                    "footprint": {str(k): v for k, v in sorted(j.footprint.items())},
+                }
+                for j in c.jobs.values()
+            ],
         }
 
     def _moves_with_wall_times(self) -> dict[str, Any]:
@@ -344,63 +415,68 @@ class Daemon:
         """The clock of the scheduler and the history (the event loop's)."""
         return self._now()
 
-    def _feed(self, event: Event) -> Any:
-        """Hand one event to the core, then carry out everything it decided."""
+    def _step(self, call: Callable[..., Any], *args: Any) -> Any:
+        """One input to the cluster core, then carry out everything it decided."""
         try:
-            return self.scheduler.handle(event, self._now())
+            return call(*args)
         finally:
-            self._apply(self.scheduler.drain())
+            self._apply(self.cluster.drain())
             self._rearm_timer()
             self._after_step()
 
-    def _apply(self, effects: list[Effect]) -> None:
+    def _apply(self, effects: list[Any]) -> None:
         for effect in effects:
             try:
                 self._apply_one(effect)
             except Exception:
                 log.exception("carrying out %r failed", effect)
 
-    def _apply_one(self, effect: Effect) -> None:
-        if isinstance(effect, GrantLock):
-            log.debug("grant %s fence %d to %s (restored=%s)", effect.group, effect.fence, effect.job, effect.restored)
-            for session, rid in effect.tickets:
-                if conn := self._sessions.get(session):
-                    conn.reply(rid, effect.info())
-            if not effect.again:
-                self.metrics.observe_grant(effect.group, effect.waited_s, effect.switch_s, effect.switched)
-        elif isinstance(effect, FailRequest):
-            if conn := self._sessions.get(effect.ticket[0]):
-                conn.fail(effect.ticket[1], effect.error)
-        elif isinstance(effect, (SnapshotJob, RestoreJob, ReclaimJob)) and self._stopping.is_set():
-            log.debug("stopping: %r is not started", effect)
-        elif isinstance(effect, (SnapshotJob, RestoreJob)):
-            self._spawn(self._move(effect))
-        elif isinstance(effect, ReclaimJob):
-            self._spawn(self._reclaim(effect))
-        elif isinstance(effect, AllocateRegion):
-            self._allocate(effect)
-        elif isinstance(effect, NotifyJob):
-            if effect.event == "faulted":
-                group = self.scheduler.jobs[effect.job].group if effect.job in self.scheduler.jobs else None
-                detail = str(effect.data.get("reason", ""))
-                self.history.record(effect.event, self._now(), group=group, job=effect.job, detail=detail)
-            for session in self.scheduler.jobs[effect.job].sessions if effect.job in self.scheduler.jobs else ():
-                if conn := self._sessions.get(session):
+    def _apply_one(self, effect: Any) -> None:
+        if isinstance(effect, Reply):
+            if conn := self._conns.get(effect.conn):
+                conn.reply(effect.rid, effect.result)
+        elif isinstance(effect, Fail):
+            if conn := self._conns.get(effect.conn):
+                conn.fail(effect.rid, effect.error)
+        elif isinstance(effect, Send):
+            if self.peers is not None:
+                self.peers.send(effect.to, effect.message)
+        elif isinstance(effect, Persist):
+            save_election(self.config.state_dir, effect.state)  # durable before any later Send
+        elif isinstance(effect, Push):
+            for conn_id in effect.conns:
+                if conn := self._conns.get(conn_id):
                     conn.push(effect.event, effect.data)
+        elif isinstance(effect, RunMove):
+            if self._stopping.is_set():
+                log.debug("stopping: %r is not started", effect)
+            else:
+                self._spawn(self._move(effect))
+        elif isinstance(effect, Allocate):
+            self._allocate(effect)
+        elif isinstance(effect, Granted):
+            g = effect.grant
+            log.debug("grant %s fence %d to %s (restored=%s)", g.group, g.fence, g.job, g.restored)
+            self.metrics.observe_grant(g.group, g.waited_s, g.switch_s, g.switched)
+        elif isinstance(effect, Noted):
+            level = logging.WARNING if effect.kind in ("faulted", "problem") else logging.INFO
+            log.log(level, "%s%s", f"job {effect.job!r}: " if effect.job else "", effect.text)
+            if effect.kind == "faulted":
+                group = self.cluster.jobs[effect.job].group if effect.job in self.cluster.jobs else None
+                self.history.record("faulted", self._now(), group=group, job=effect.job, detail=effect.text)
 
-    def _allocate(self, effect: AllocateRegion) -> None:
-        session, rid = effect.ticket
-        conn = self._sessions.get(session)
+    def _allocate(self, effect: Allocate) -> None:
+        conn = self._conns.get(effect.conn)
         try:
             info = self._sim().alloc(effect.job, effect.gpu, effect.requested)
         except Exception as exc:
-            self._feed(MemoryReleased(effect.job, effect.gpu, effect.nbytes))
+            self._step(self.cluster.freed, effect.job, effect.gpu, effect.nbytes, self._now())
             if conn is not None:
-                conn.fail(rid, exc if isinstance(exc, errors.TimeslicedError) else errors.BackendError(str(exc)))
+                conn.fail(effect.rid, exc if isinstance(exc, errors.TimeslicedError) else errors.BackendError(str(exc)))
             return
         self._regions[(effect.job, info.region)] = (effect.gpu, effect.nbytes)
         if conn is not None:
-            conn.reply(rid, info.to_wire())
+            conn.reply(effect.rid, info.to_wire())
 
     def _spawn(self, coro: Any) -> None:
         if self._tasks is None:
@@ -410,18 +486,23 @@ class Daemon:
         self._children.add(task)
         task.add_done_callback(self._children.discard)
 
-    async def _move(self, effect: SnapshotJob | RestoreJob) -> None:
-        kind = "snapshot" if isinstance(effect, SnapshotJob) else "restore"
+    async def _move(self, effect: RunMove) -> None:
+        """This node's part of a snapshot, restore or reclaim; the cluster core hears how it went."""
+        kind = effect.kind
         try:
             target = self._target(effect.job)
             backend = self.parking.backend(target.park.method)
+            if kind == "reclaim":
+                await self._reclaim(target, backend)
+                self._step(self.cluster.move_finished, effect.key, True, 0, 0.0, "", self._now())
+                return
             operation = backend.snapshot if kind == "snapshot" else backend.restore
             async with timeout(self.config.op_timeout):
                 result: MoveResult = await operation(target)
         except Exception as exc:  # a failed move faults the job, never the daemon
             reason = "timed out" if isinstance(exc, TimeoutError) else f"{exc.__class__.__name__}: {exc}"
             log.error("%s of job %r failed: %s", kind, effect.job, reason)
-            self._feed(MoveFinished(effect.op, False, error=reason))
+            self._step(self.cluster.move_finished, effect.key, False, 0, 0.0, reason, self._now())
             return
         log.info(
             "%s of job %r with %s: %d bytes in %.3fs (%.1f GB/s)",
@@ -439,58 +520,54 @@ class Daemon:
             self.metrics.observe_move(kind, backend.name, result.nbytes, result.seconds)
         except Exception:  # figures are not worth a lost move: the scheduler must hear of it
             log.exception("recording the %s of job %r failed", kind, effect.job)
-        self._feed(MoveFinished(effect.op, True, result.nbytes, result.seconds))
+        self._step(self.cluster.move_finished, effect.key, True, result.nbytes, result.seconds, "", self._now())
 
-    async def _reclaim(self, effect: ReclaimJob) -> None:
+    async def _reclaim(self, target: JobTarget, backend: Any) -> None:
         try:
-            target = self._target(effect.job)
             async with timeout(self.config.op_timeout):
-                await self.parking.backend(target.park.method).reclaim(target)
+                await backend.reclaim(target)
         except Exception:
-            log.exception("reclaiming job %r failed", effect.job)
-        for key in [k for k in self._regions if k[0] == effect.job]:
+            log.exception("reclaiming job %r failed", target.name)
+        for key in [k for k in self._regions if k[0] == target.name]:
             del self._regions[key]
-        self._park.pop(effect.job, None)
-        self._measured.pop(effect.job, None)
-        log.info("job %r exited; its device and host memory is reclaimed", effect.job)
-        self.history.record("exited", self._now(), job=effect.job)
-        self._feed(ReclaimFinished(effect.op))
+        self._park.pop(target.name, None)
+        self._measured.pop(target.name, None)
+        log.info("job %r exited; its device and host memory is reclaimed", target.name)
+        self.history.record("exited", self._now(), job=target.name)
 
     def _rearm_timer(self) -> None:
-        deadline = self.scheduler.next_deadline()
+        deadline = self.cluster.next_deadline()
         if self._timer is not None:
-            if deadline is not None and self._timer.when() == deadline:
+            if deadline is not None and self._timer_at == deadline:
                 return
             self._timer.cancel()
             self._timer = None
         if deadline is not None and self._loop is not None:
+            self._timer_at = deadline
             self._timer = self._loop.call_at(deadline, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
-        try:
-            self.scheduler.handle_timers(self._now())
-        finally:
-            self._apply(self.scheduler.drain())
-            self._rearm_timer()
-            self._after_step()
+        self._step(self.cluster.handle_timers, self._now())
 
     def _after_step(self) -> None:
         """Follow the groups: history spans, and simulated GPUs' duty (busy while a holder has them)."""
         now = self._now()
-        groups = self.scheduler.groups.values()
-        self.history.observe(
-            (GroupView(g.name, g.gpus, g.holder, g.switch.incoming if g.switch else None) for g in groups), now
-        )
-        self.telemetry.record_held({gpu for g in groups if g.holder is not None for gpu in g.gpus}, now)
+        scheduler = self.cluster.scheduler
+        if scheduler is not None:
+            groups = scheduler.groups.values()
+            self.history.observe(
+                (GroupView(g.name, g.gpus, g.holder, g.switch.incoming if g.switch else None) for g in groups), now
+            )
+        self.telemetry.record_held(self.cluster.held_gpus(), now)
 
     async def _watch_processes(self) -> None:
-        """A job whose every process is gone is dropped and its memory reclaimed."""
+        """A job none of whose processes on this node is alive or connected is reported gone."""
         while True:
             await asyncio.sleep(self.config.pid_poll_interval)
-            for job in list(self.scheduler.jobs.values()):
-                if not job.sessions and not job.exiting and not any(pid_alive(p) for p in job.pids):
-                    self._feed(JobExited(job.name))
+            for job in list(self.cluster.jobs.values()):
+                if not job.sessions and not job.gone and not any(pid_alive(p) for p in job.pids):
+                    self._step(self.cluster.gone, job.name, self._now())
 
     def _sim(self) -> Any:
         if self.parking.sim is None:
@@ -501,8 +578,8 @@ class Daemon:
 
     async def _direct(self, job: str, action: str, args: dict[str, Any]) -> list[dict[str, Any]]:
         """Tell every connection of ``job`` to park or unpark its regions; their answers, in order."""
-        core = self.scheduler.jobs.get(job)
-        conns = [c for s in sorted(core.sessions) if (c := self._sessions.get(s))] if core else []
+        local = self.cluster.jobs.get(job)
+        conns = [c for s in sorted(local.sessions) if (c := self._conns.get(s))] if local else []
         if not conns:
             raise errors.BackendError(f"job {job!r} has no connection to carry out an offload {action}")
         answers = []
@@ -520,12 +597,12 @@ class Daemon:
                 self._directives.pop(directive, None)
 
     def _target(self, job: str) -> JobTarget:
-        core = self.scheduler.jobs[job]
+        local = self.cluster.jobs[job]
         spec = self._park[job]
-        pids = set(core.pids)
+        pids = set(local.pids)
         if spec.method in ("vllm", "sglang"):
             pids |= descendants(pids)  # an engine's memory sits in its worker processes
-        return JobTarget(job, self.scheduler.groups[core.group].gpus, tuple(sorted(pids)), spec)
+        return JobTarget(job, self.cluster.local_gpus(job), tuple(sorted(pids)), spec)
 
 
 async def _guarded(coro: Any) -> None:

@@ -1,0 +1,1 @@
+"""Multi-node: peer transport, discovery and the cluster cores."""
