@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -14,14 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, errors
+from .cluster.discovery import DEFAULT_PEER_PORT, local_addresses, resolve_cluster
 from .config import (
     ADMIN_TOKEN_ENV,
     DEFAULT_WEB,
+    PEER_TOKEN_ENV,
+    ClusterConfig,
     DaemonConfig,
     default_state_dir,
     parse_host_port,
     parse_size,
     read_admin_token,
+    read_peer_token,
 )
 from .node.parking import CHOICES
 
@@ -75,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     handoff.add_argument("--rounds", type=int, default=2000)
     handoff.add_argument("--jobs", type=int, default=2, help="jobs ping-ponging the group")
     handoff.add_argument("--json", action="store_true", help="print one JSON object")
+    handoff.add_argument("--nodes", type=int, default=1, help="N > 1: a cluster of N daemons; clients on a follower")
+    failover = bench_sub.add_parser("failover", help="kill -9 the leader of 3 daemons; time to the next grant")
+    failover.add_argument("--kills", type=int, default=20)
+    failover.add_argument("--json", action="store_true", help="print one JSON object")
+    failover.set_defaults(run=cmd_bench_failover)
     handoff.set_defaults(run=cmd_bench_handoff)
     offload = bench_sub.add_parser("offload", help="in-process offload copy bandwidth and switch cost")
     offload.add_argument("--mib", type=int, default=1024, help="MiB of regions to park and unpark")
@@ -126,6 +137,21 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op-timeout", type=float, default=600.0, metavar="S", help="one snapshot or restore, any method")
     p.add_argument("--engine-timeout", type=float, default=120.0, metavar="S", help="vllm/sglang: one sleep or wake")
     p.add_argument("--offload-verify", action="store_true", help="offload: checksum every region after restore")
+    cluster = p.add_argument_group("cluster (several nodes elect one leader; give one source of members)")
+    cluster.add_argument("--peers", default=None, metavar="[ID=]HOST:PORT,...", help="every member, this node's too")
+    cluster.add_argument("--slurm", action="store_true", help="members: the nodes of $SLURM_JOB_NODELIST")
+    cluster.add_argument("--dns", default=None, metavar="NAME", help="members: the addresses of a headless service")
+    cluster.add_argument("--node-id", default=None, help="which member this node is (default: found by host name)")
+    cluster.add_argument("--peer-port", type=int, default=DEFAULT_PEER_PORT, help="default peer port of members")
+    cluster.add_argument(
+        "--peer-listen", type=parse_host_port, default=None, metavar="HOST:PORT", help="default: 0.0.0.0:OWN_PORT"
+    )
+    cluster.add_argument(
+        "--peer-token-file", type=Path, default=None, metavar="PATH", help=f"shared token (or ${PEER_TOKEN_ENV})"
+    )
+    cluster.add_argument(
+        "--election-timeout", type=float, default=1.0, metavar="S", help="randomized in [S, 2S); heartbeats every S/4"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
@@ -159,10 +185,40 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         config.node = args.node
     if config.gpus < 1:
         raise SystemExit("timesliced: --gpus must be at least 1")
+    if args.peers is not None or args.slurm or args.dns is not None:
+        try:
+            config.cluster, config.node = cluster_from_args(args)
+        except ValueError as exc:
+            raise SystemExit(f"timesliced: {exc}") from None
     for flag in ("op_timeout", "lock_timeout", "engine_timeout"):
         if not getattr(config, flag) > 0:
             raise SystemExit(f"timesliced: --{flag.replace('_', '-')} must be a positive number of seconds")
     return config
+
+
+def cluster_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, str]:
+    """The cluster this daemon is a member of, and its node id; raises ``ValueError``."""
+    members, me = resolve_cluster(
+        peers=args.peers,
+        slurm=args.slurm,
+        dns=args.dns,
+        node_id=args.node_id,
+        port=args.peer_port,
+        environ=os.environ,
+        hostname=socket.gethostname(),
+        addresses=local_addresses(),
+    )
+    if not args.election_timeout > 0:
+        raise ValueError("--election-timeout must be a positive number of seconds")
+    lo = args.election_timeout
+    cluster = ClusterConfig(
+        members={m.id: m.address for m in members},
+        listen=args.peer_listen or ("0.0.0.0", me.port),
+        token=read_peer_token(args.peer_token_file),
+        election_timeout=(lo, 2 * lo),
+        heartbeat_interval=lo / 4,
+    )
+    return cluster, me.id
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -229,8 +285,20 @@ def _interrupt(signum: int, frame: Any) -> None:
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
     from .bench import format_handoff, run_handoff
 
+    if args.nodes > 1:
+        from .bench_cluster import bench_handoff_nodes, print_figures
+
+        print_figures(bench_handoff_nodes(args.nodes, args.rounds), args.json)
+        return 0
     result = run_handoff(rounds=args.rounds, jobs=args.jobs)
     print(json.dumps(result, indent=2) if args.json else format_handoff(result))
+    return 0
+
+
+def cmd_bench_failover(args: argparse.Namespace) -> int:
+    from .bench_cluster import bench_failover, print_figures
+
+    print_figures(bench_failover(args.kills), args.json)
     return 0
 
 

@@ -30,6 +30,7 @@ class Grant:
     waited_s: float  # time spent in the queue
     switch_s: float  # time spent parking others and restoring this job
     restored: bool  # False: the job's state was still on the GPU, nothing moved
+    term: int = 0  # the leader's election term: (term, fence) grows with every grant, across leaders
 
     @classmethod
     def from_wire(cls, result: Any) -> Grant:
@@ -41,6 +42,7 @@ class Grant:
                 float(result["waited_s"]),
                 float(result["switch_s"]),
                 bool(result["restored"]),
+                int(result.get("term", 0)),
             )
         except (KeyError, TypeError, ValueError):
             raise errors.ProtocolError(f"malformed grant from daemon: {result!r}") from None

@@ -386,6 +386,8 @@ class ClusterNode:
             self.linked.add(peer)
         else:
             self.linked.discard(peer)
+        if self._collect is not None and not up:
+            self._maybe_build(now)
         if self.orch is not None:
             if not up and was:
                 self.orch.node_offline(self.members.index(peer), now)
@@ -705,8 +707,7 @@ class ClusterNode:
         if kind == "report":
             if self._collect is not None and era == self._collect_era:
                 self._collect[sender] = m["report"]
-                if len(self._collect) == len(self.members):
-                    self._build(now)
+                self._maybe_build(now)
             return
         if kind == "resync":
             if self._collect is not None and self._collect_era is not None:
@@ -729,6 +730,14 @@ class ClusterNode:
             reply.update(ok=False, error=errors.to_wire(exc))
         self._route_orch()
         self._to_node(slot, {**reply, "era": list(self.orch.era)})
+
+    def _maybe_build(self, now: float) -> None:
+        """Build once every member that can answer has: a member whose link is down will not."""
+        if self._collect is None:
+            return
+        reachable = {self.node_id} | self.linked
+        if reachable <= set(self._collect) and len(self._collect) >= len(self.members) // 2 + 1:
+            self._build(now)
 
     def _build(self, now: float) -> None:
         assert self._collect is not None and self._collect_era is not None
