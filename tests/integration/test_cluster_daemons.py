@@ -96,26 +96,26 @@ def test_leader_kill_9_hands_over_without_double_grants(tmp_path: Path, moment: 
 
 def test_partition_isolating_the_leader(tmp_path: Path) -> None:
     ports = {f"n{i}": free_port() for i in range(3)}
-    with ProxyMesh({n: ("127.0.0.1", p) for n, p in ports.items()}) as mesh:
-        with LocalCluster(tmp_path, 3, peers_arg=mesh.peers_arg, ports=ports) as cluster:
-            cluster.start_all()
-            old = cluster.leader()
-            others = [n for n in cluster.names if n != old]
-            mesh.isolate(old)
-            new = cluster.leader(among=others, timeout=15)
-            assert new != old
-            deadline = time.monotonic() + 10
-            while cluster.status(old)["cluster"]["leading"]:  # check-quorum: it steps down
-                assert time.monotonic() < deadline, "the isolated leader kept leading"
-                time.sleep(0.1)
-            # the majority serves a group spanning its two nodes
-            logs = [tmp_path / f"{n}.jsonl" for n in others]
-            procs = [
-                spawn_worker(f"job-{n}", "pool", cluster.socket(n), 2.0, MiB, tmp_path / f"{n}.jsonl") for n in others
-            ]
-            assert all("lost" not in r for r in finish(procs))
-            assert double_grants(read_grants(*logs)) == 0
-            mesh.heal_all()
-            assert cluster.leader(timeout=15) == new  # healing converges on the majority's leader
-            term = cluster.status(new)["cluster"]["election"]["term"]
-            assert all(cluster.status(n)["cluster"]["election"]["term"] == term for n in cluster.names)
+    with (
+        ProxyMesh({n: ("127.0.0.1", p) for n, p in ports.items()}) as mesh,
+        LocalCluster(tmp_path, 3, peers_arg=mesh.peers_arg, ports=ports) as cluster,
+    ):
+        cluster.start_all()
+        old = cluster.leader()
+        others = [n for n in cluster.names if n != old]
+        mesh.isolate(old)
+        new = cluster.leader(among=others, timeout=15)
+        assert new != old
+        deadline = time.monotonic() + 10
+        while cluster.status(old)["cluster"]["leading"]:  # check-quorum: it steps down
+            assert time.monotonic() < deadline, "the isolated leader kept leading"
+            time.sleep(0.1)
+        # the majority serves a group spanning its two nodes
+        logs = [tmp_path / f"{n}.jsonl" for n in others]
+        procs = [spawn_worker(f"job-{n}", "pool", cluster.socket(n), 2.0, MiB, tmp_path / f"{n}.jsonl") for n in others]
+        assert all("lost" not in r for r in finish(procs))
+        assert double_grants(read_grants(*logs)) == 0
+        mesh.heal_all()
+        assert cluster.leader(timeout=15) == new  # healing converges on the majority's leader
+        term = cluster.status(new)["cluster"]["election"]["term"]
+        assert all(cluster.status(n)["cluster"]["election"]["term"] == term for n in cluster.names)
