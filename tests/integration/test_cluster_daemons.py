@@ -39,11 +39,11 @@ def test_three_daemons_elect_one_leader_and_forward(tmp_path: Path) -> None:
         statuses = {n: cluster.status(n)["cluster"] for n in cluster.names}
         assert {s["leader"] for s in statuses.values()} == {leader}
         assert [n for n, s in statuses.items() if s["leading"]] == [leader]
-        # one group spanning the two followers: jobs take turns through forwarding
+        # two jobs, each with a process on both followers, take turns through forwarding
         followers = [n for n in cluster.names if n != leader]
         logs = [tmp_path / f"{n}-{j}.jsonl" for n in followers for j in ("a", "b")]
         procs = [
-            spawn_worker(f"{n}-{j}", "pool", cluster.socket(n), 3.0, 40 * MiB, tmp_path / f"{n}-{j}.jsonl")
+            spawn_worker(f"job-{j}", "pool", cluster.socket(n), 3.0, 40 * MiB, tmp_path / f"{n}-{j}.jsonl")
             for n in followers
             for j in ("a", "b")
         ]
@@ -65,7 +65,7 @@ def test_leader_kill_9_hands_over_without_double_grants(tmp_path: Path, moment: 
         followers = [n for n in cluster.names if n != leader]
         logs = [tmp_path / f"{n}-{j}.jsonl" for n in followers for j in ("a", "b")]
         procs = [
-            spawn_worker(f"{n}-{j}", "pool", cluster.socket(n), 10.0, 40 * MiB, tmp_path / f"{n}-{j}.jsonl")
+            spawn_worker(f"job-{j}", "pool", cluster.socket(n), 10.0, 40 * MiB, tmp_path / f"{n}-{j}.jsonl")
             for n in followers
             for j in ("a", "b")
         ]

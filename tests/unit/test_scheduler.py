@@ -677,6 +677,26 @@ def test_memory_parks_least_recently_granted_idle_job(h: Harness) -> None:
     assert h.used() == 80
 
 
+def test_memory_waits_for_a_snapshot_already_on_its_way(h: Harness) -> None:
+    # Two processes of B ask for memory at once (ranks of one job): the first request parks A;
+    # the second must wait for that snapshot rather than fail while A is still leaving.
+    a = holding(h, "A", 70)
+    h.release(a)
+    b1 = h.register("B")
+    b2 = h.register("B")
+    h.acquire(b1)
+    h.drain()
+    h.alloc(b1, 40)
+    (snap,) = h.drain()
+    assert snap == SnapshotJob(snap.op, "A")
+    h.alloc(b2, 40)  # 30 free while A leaves, 100 once it is parked
+    assert h.drain() == []
+    h.finish(snap, nbytes=70)
+    assert [e.ticket[0] for e in only(h.drain(), AllocateRegion)] == [b1, b2]
+    assert h.used() == 80
+    h.fails(MemoryRequested(b2, 99, 0, 21), errors.OutOfMemory)  # 20 left, nothing else to park
+
+
 def test_memory_parks_several_and_skips_jobs_not_on_that_gpu(harness: Callable[..., Harness]) -> None:
     h = harness({0: 100, 1: 100})
     a = holding(h, "A", 40, gpu=0)
@@ -737,10 +757,12 @@ def test_memory_never_parks_holders_moving_or_faulted_jobs(harness: Callable[...
         assert isinstance(effects[1].error, errors.OutOfMemory)
         assert h.s.jobs["X"].faulted and h.used() == 70  # the failed snapshot keeps its memory
     z = holding(h, "Z")
-    err = h.fails(MemoryRequested(z, 99, 0, 50), errors.OutOfMemory)
+    # moving: X's 70 bytes are on their way out, but Y waits for 40 of them
+    n = 70 if blocker == "moving" else 50
+    err = h.fails(MemoryRequested(z, 99, 0, n), errors.OutOfMemory)
     assert err.details == {"gpu": 0}
     message = str(err)
-    assert "GPU 0: cannot allocate 50 bytes for job 'Z': 30 of 100 bytes free" in message
+    assert f"GPU 0: cannot allocate {n} bytes for job 'Z': 30 of 100 bytes free" in message
     expected = {"holder": "X (70 B, holding)", "moving": "X (70 B, parking)", "faulted": "X (70 B, resident)"}[blocker]
     assert expected in message
 

@@ -284,6 +284,8 @@ class Run:
         gpus = self.s.groups[core.group].gpus
         gpu = self.rng.choice(gpus if self.rng.random() < 0.9 else list(CAPACITIES))
         nbytes = self.rng.randint(1, 70)
+        leaving = sum(j.footprint.get(gpu, 0) for j in self.s.jobs.values() if j.location is Location.PARKING)
+        leaving -= sum(p.nbytes for p in self.s._pending_allocs if p.gpu == gpu)
         rid = self.next_rid
         self.next_rid += 1
         expect: type[Exception] | None = None
@@ -293,8 +295,11 @@ class Run:
             expect = errors.JobFaulted
         elif core.location is not Location.RESIDENT:
             expect = errors.NotResident
-        elif nbytes > CAPACITIES[gpu] - self.s.used(gpu) and self.s._plan_evictions({gpu: nbytes}, {job}) is None:
-            expect = errors.OutOfMemory
+        elif (
+            nbytes > CAPACITIES[gpu] - self.s.used(gpu)
+            and self.s._plan_evictions({gpu: nbytes - leaving}, {job}) is None
+        ):
+            expect = errors.OutOfMemory  # after parking idle jobs and waiting for those already parking
         exc = self.feed(MemoryRequested(sid, rid, gpu, nbytes), expect)
         if expect is None:
             self.allocs[(sid, rid)] = job

@@ -480,10 +480,17 @@ class Scheduler:
         ticket = (ev.session, ev.request_id)
         cap = self.capacities[ev.gpu]
         if ev.nbytes > cap - self.used(ev.gpu):
-            victims = self._plan_evictions({ev.gpu: ev.nbytes}, exclude={job.name})
+            # Snapshots already on their way free memory too (another process of this job asked
+            # first), less what the requests already waiting for them will take.
+            leaving = {
+                op: self.jobs[m.job].footprint.get(ev.gpu, 0) for op, m in self._moves.items() if m.kind == "snapshot"
+            }
+            waiting = sum(p.nbytes for p in self._pending_allocs if p.gpu == ev.gpu)
+            need = ev.nbytes + waiting - sum(leaving.values())
+            victims = self._plan_evictions({ev.gpu: need}, exclude={job.name})
             if victims is None:
                 raise errors.OutOfMemory(self._oom_message(ev.gpu, ev.nbytes, job.name), gpu=ev.gpu)
-            ops = {self._start_move(v, "snapshot", now) for v in victims}
+            ops = {op for op, n in leaving.items() if n} | {self._start_move(v, "snapshot", now) for v in victims}
             self._pending_allocs.append(
                 _PendingAlloc(ticket, job.name, ev.gpu, ev.nbytes, ev.requested or ev.nbytes, ops)
             )
