@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import secrets
 import signal
 import socket
@@ -287,7 +286,3 @@ def print_figures(figures: dict[str, Any], as_json: bool) -> None:
         return
     for key, value in figures.items():
         print(f"{key:>22}: {value:.4f}" if isinstance(value, float) else f"{key:>22}: {value}")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    print_figures(bench_failover(int(os.environ.get("KILLS", "3"))), True)

@@ -40,12 +40,3 @@ def session_slot(session: int) -> int:
 
 def local_conn(session: int) -> int:
     return session % SESSION_STRIDE
-
-
-def gpu_label(gpu: int, members: tuple[str, ...]) -> str:
-    """``"node-b:3"`` for a multi-node cluster; ``"3"`` for a single daemon."""
-    if len(members) <= 1:
-        return str(gpu)
-    slot = gpu_slot(gpu)
-    name = members[slot] if slot < len(members) else f"slot{slot}"
-    return f"{name}:{local_gpu(gpu)}"

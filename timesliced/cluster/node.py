@@ -41,7 +41,6 @@ from .orchestrator import Era, Orchestrator
 
 PENDING = object()  # the answer to a request comes later, as a Reply or Fail effect
 
-REPLIED_OPS = ("register", "cancel", "release")  # the leader's result is the reply
 LATER_OPS = ("acquire", "alloc")  # the reply comes as a grant, an allocation or a failure
 
 
@@ -180,6 +179,7 @@ class ClusterNode:
         self.node_id = node_id
         self.members = members
         self.slot = members.index(node_id)
+        self.majority = len(members) // 2 + 1
         self.devices = dict(devices)
         self.election = Election(
             node_id,
@@ -259,7 +259,7 @@ class ClusterNode:
             "leading": self.leading,
             "linked": sorted(self.linked),
             "reporters": sorted(self._reporters) if self.leading else [],
-            "offline": sorted(self.members[s] for s in self.orch.offline if s < len(self.members)) if self.orch else [],
+            "offline": sorted(self.members[s] for s in self.orch.offline) if self.orch else [],
             "pending": len(self._pending),
             "refused": self.refused,
             "problems": self.problems[-20:],
@@ -285,13 +285,7 @@ class ClusterNode:
             timeout = args.get("timeout")
             self.waiting[(conn, rid)] = Waiting(next(self._order), None if timeout is None else now + timeout)
         elif op == "release":
-            job = self.sessions[conn]
-            group = self.jobs[job].group
-            holding = self.holders.get(group)
-            if holding is not None and holding.job == job:
-                holding.conns.discard(conn)
-                if not holding.conns:
-                    del self.holders[group]
+            self._let_go(conn, self.sessions[conn])
         try:
             return self._forward(Forwarded(op, conn, rid, args), now)
         except errors.TimeslicedError:
@@ -318,21 +312,25 @@ class ClusterNode:
         job_name = self.sessions.pop(conn, None)
         for key in [k for k in self.waiting if k[0] == conn]:
             del self.waiting[key]
+        registering = False  # the leader may have registered it: it must hear of the close
         for req in [r for r, f in self._pending.items() if f.conn == conn]:
-            self._pending.pop(req)
+            registering |= self._pending.pop(req).op == "register" and req in self._sent
             self._sent.discard(req)
-        if job_name is None:
-            return
-        job = self.jobs.get(job_name)
-        if job is not None:
-            job.sessions.discard(conn)
-            holding = self.holders.get(job.group)
-            if holding is not None and holding.job == job_name:
-                holding.conns.discard(conn)
-                if not holding.conns:
-                    del self.holders[job.group]
-        self._note("closed", {"conn": conn}, now)
+        if job_name is not None and job_name in self.jobs:
+            self.jobs[job_name].sessions.discard(conn)
+            self._let_go(conn, job_name)
+        if job_name is not None or registering:
+            self._note("closed", {"conn": conn}, now)
         self._pump(now)
+
+    def _let_go(self, conn: int, job_name: str) -> None:
+        """``conn`` no longer holds its job's group here (it released, or it closed)."""
+        group = self.jobs[job_name].group
+        holding = self.holders.get(group)
+        if holding is not None and holding.job == job_name:
+            holding.conns.discard(conn)
+            if not holding.conns:
+                del self.holders[group]
 
     def freed(self, job: str, gpu: int, nbytes: int, now: float) -> None:
         """Simulated memory of ``job`` on local ``gpu`` was freed (or an allocation failed)."""
@@ -411,7 +409,7 @@ class ClusterNode:
             self.orch.handle_timers(now)
             self._route_orch()
         if self._collect is not None and now >= self._collect_deadline:
-            if len(self._collect) >= len(self.members) // 2 + 1:
+            if len(self._collect) >= self.majority:
                 self._build(now)
             else:
                 self._collect_deadline = now + self.sync_timeout
@@ -474,7 +472,7 @@ class ClusterNode:
     # --- forwarding to the leader ---------------------------------------------------------------
 
     def _forward(self, f: Forwarded, now: float) -> Any:
-        if self.orch is not None and self.ready and self.leader == self.node_id:
+        if self.orch is not None and self.ready:  # we lead: answer within this call
             try:
                 result = self.orch.handle(self.slot, f.op, {**f.args, "conn": f.conn, "rid": f.rid}, now)
             finally:
@@ -736,7 +734,7 @@ class ClusterNode:
         if self._collect is None:
             return
         reachable = {self.node_id} | self.linked
-        if reachable <= set(self._collect) and len(self._collect) >= len(self.members) // 2 + 1:
+        if reachable <= set(self._collect) and len(self._collect) >= self.majority:
             self._build(now)
 
     def _build(self, now: float) -> None:

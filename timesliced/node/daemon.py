@@ -249,7 +249,7 @@ class Daemon:
             "extra": {"session": conn.id, "park": spec.method},
         }
         result = self._request(conn, rid, "register", request)
-        self._park.setdefault(job, spec)
+        self._park[job] = spec  # the same as before, or the job is not (yet) registered here
         self.history.record("registered", self._now(), group=group, job=job, detail=spec.method)
         return result
 
