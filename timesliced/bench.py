@@ -166,15 +166,32 @@ def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return result
 
 
-def run_handoff(rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001) -> dict[str, Any]:
-    """Handoff latency, uncontended acquire+release rate and the loopback floor."""
+def run_handoff(rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001, nodes: int = 1) -> dict[str, Any]:
+    """Handoff latency, uncontended acquire+release rate and the loopback floor.
+
+    ``nodes > 1``: a cluster of that many daemons on loopback, with the job processes on a
+    follower, so every acquire and release is forwarded to the leader on another daemon.
+    """
     if jobs < 2 or rounds < 10:
         raise ValueError("need at least 2 jobs and 10 rounds")
-    per_job = max(1, rounds // jobs)
+    if nodes > 1:
+        from .bench_cluster import LocalCluster
+
+        with tempfile.TemporaryDirectory(prefix="timesliced-bench-") as tmp, LocalCluster(Path(tmp), nodes) as cluster:
+            cluster.start_all()
+            leader = cluster.leader()
+            follower = next(n for n in cluster.names if n != leader)
+            figures = _measure_handoff(str(cluster.socket(follower)), rounds, jobs, hold_s)
+        return {"nodes": nodes, "leader": leader, "clients_on": follower, **figures}
     with DaemonProcess("--gpus", "1", "--gpu-memory", "64MiB") as daemon:
-        procs = [_run_worker("handoff", daemon.socket, f"job-{i}", jobs, per_job, hold_s) for i in range(jobs)]
-        records = [_result(p) for p in procs]
-        solo = _result(_run_worker("uncontended", daemon.socket, rounds))
+        return {"nodes": 1, **_measure_handoff(daemon.socket, rounds, jobs, hold_s)}
+
+
+def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float) -> dict[str, Any]:
+    per_job = max(1, rounds // jobs)
+    procs = [_run_worker("handoff", address, f"job-{i}", jobs, per_job, hold_s) for i in range(jobs)]
+    records = [_result(p) for p in procs]
+    solo = _result(_run_worker("uncontended", address, rounds))
     slices = sorted((acq, rel, fence, r["job"]) for r in records for acq, rel, fence in r["slices"])
     fences = [s[2] for s in slices]
     handoffs = [
@@ -202,7 +219,8 @@ def run_handoff(rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001) -> dic
 def format_handoff(r: dict[str, Any]) -> str:
     return "\n".join(
         [
-            f"handoff between {r['jobs']} jobs over {r['rounds']} slices ({r['handoffs']} handoffs)",
+            f"handoff between {r['jobs']} jobs over {r['rounds']} slices ({r['handoffs']} handoffs)"
+            + (f" on a follower of a {r['nodes']}-daemon cluster" if r["nodes"] > 1 else ""),
             f"  release -> next acquire returns   p50 {r['handoff_p50_ms']:.3f} ms   "
             f"p99 {r['handoff_p99_ms']:.3f} ms   max {r['handoff_max_ms']:.3f} ms",
             f"  uncontended acquire+release       {r['acquire_release_per_s']:.0f} /s",

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .client.sync import Client, daemon_status
+from .client.sync import daemon_status
 
 
 def free_port() -> int:
@@ -207,38 +207,6 @@ def double_grants(grants: list[dict[str, Any]]) -> int:
 # --- benchmarks ------------------------------------------------------------------------------
 
 
-def bench_handoff_nodes(nodes: int, rounds: int) -> dict[str, Any]:
-    """Two jobs on a follower take turns; every acquire and release goes to the leader on another daemon."""
-    with tempfile.TemporaryDirectory(prefix="timesliced-bench-") as tmp, LocalCluster(Path(tmp), nodes) as cluster:
-        cluster.start_all()
-        leader = cluster.leader()
-        follower = next(n for n in cluster.names if n != leader)
-        clients = [Client(job=f"job{i}", group="g", address=cluster.socket(follower), gpus=[0]) for i in range(2)]
-        for c in clients:
-            c.connect()
-        samples: list[float] = []
-        for i in range(rounds):
-            a, b = clients[i % 2], clients[(i + 1) % 2]
-            a.acquire()
-            t0 = time.perf_counter()
-            a.release()
-            b.acquire()
-            samples.append(time.perf_counter() - t0)
-            b.release()
-        for c in clients:
-            c.close()
-        samples.sort()
-        return {
-            "nodes": nodes,
-            "leader": leader,
-            "clients_on": follower,
-            "rounds": rounds,
-            "handoff_p50_ms": samples[len(samples) // 2] * 1e3,
-            "handoff_p99_ms": samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1e3,
-            "handoff_max_ms": samples[-1] * 1e3,
-        }
-
-
 def bench_failover(kills: int, workers_per_node: int = 2) -> dict[str, Any]:
     """Kill -9 the leader ``kills`` times while jobs on the other nodes take turns; time to their next grant."""
     times: list[float] = []
@@ -250,12 +218,9 @@ def bench_failover(kills: int, workers_per_node: int = 2) -> dict[str, Any]:
         for k in range(kills):
             leader = cluster.leader()
             others = [n for n in cluster.names if n != leader]
-            logs = [root / f"grants-{k}-{n}-{i}.jsonl" for n in others for i in range(workers_per_node)]
-            procs = [
-                spawn_worker(f"job{i}", "pool", cluster.socket(n), 8.0, 1 << 20, root / f"grants-{k}-{n}-{i}.jsonl")
-                for n in others
-                for i in range(workers_per_node)
-            ]
+            runs = [(n, i, root / f"grants-{k}-{n}-{i}.jsonl") for n in others for i in range(workers_per_node)]
+            logs = [log for _, _, log in runs]
+            procs = [spawn_worker(f"job{i}", "pool", cluster.socket(n), 5.0, 1 << 20, log) for n, i, log in runs]
             all_logs += logs
             time.sleep(1.5)  # the jobs take turns
             killed_at = time.monotonic()

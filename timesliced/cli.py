@@ -285,12 +285,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
     from .bench import format_handoff, run_handoff
 
-    if args.nodes > 1:
-        from .bench_cluster import bench_handoff_nodes, print_figures
-
-        print_figures(bench_handoff_nodes(args.nodes, args.rounds), args.json)
-        return 0
-    result = run_handoff(rounds=args.rounds, jobs=args.jobs)
+    result = run_handoff(rounds=args.rounds, jobs=args.jobs, nodes=args.nodes)
     print(json.dumps(result, indent=2) if args.json else format_handoff(result))
     return 0
 

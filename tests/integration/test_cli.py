@@ -155,6 +155,24 @@ def test_bench_handoff_prints_figures() -> None:
     assert figures["fences_strictly_increasing"]
 
 
+def test_bench_handoff_across_nodes_prints_figures() -> None:
+    result = cli("bench", "handoff", "--nodes", "3", "--rounds", "200", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    assert figures["nodes"] == 3 and figures["clients_on"] != figures["leader"]
+    assert figures["handoff_p50_ms"] > 0 and figures["handoffs"] >= 150
+    assert figures["fences_strictly_increasing"]
+
+
+def test_bench_failover_prints_figures() -> None:
+    result = cli("bench", "failover", "--kills", "1", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    assert figures["kills"] == 1 and figures["failovers_measured"] == 1
+    assert 0 < figures["failover_p50_s"] == figures["failover_max_s"] < 30
+    assert figures["double_grants"] == 0 and figures["lost_acquires"] == 0 and figures["grants"] > 10
+
+
 def test_bench_offload_prints_figures() -> None:
     result = cli("bench", "offload", "--mib", "8", "--rounds", "2", "--switches", "20", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
