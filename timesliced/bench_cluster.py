@@ -211,6 +211,7 @@ def bench_failover(kills: int, workers_per_node: int = 2) -> dict[str, Any]:
     """Kill -9 the leader ``kills`` times while jobs on the other nodes take turns; time to their next grant."""
     times: list[float] = []
     lost_acquires = 0
+    lost_reasons: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="timesliced-bench-") as tmp, LocalCluster(Path(tmp), 3) as cluster:
         root = Path(tmp)
         cluster.start_all()
@@ -228,7 +229,9 @@ def bench_failover(kills: int, workers_per_node: int = 2) -> dict[str, Any]:
             for p in procs:
                 out, _ = p.communicate(timeout=120)
                 result = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"lost": "crashed"}
-                lost_acquires += "lost" in result
+                if "lost" in result:
+                    lost_acquires += 1
+                    lost_reasons[result["lost"]] = lost_reasons.get(result["lost"], 0) + 1
             after = [g["start"] for g in read_grants(*logs) if g["start"] > killed_at]
             if after:
                 times.append(min(after) - killed_at)
@@ -241,6 +244,7 @@ def bench_failover(kills: int, workers_per_node: int = 2) -> dict[str, Any]:
             "failovers_measured": len(times),
             "double_grants": double_grants(grants),
             "lost_acquires": lost_acquires,
+            "lost_reasons": lost_reasons,
             "grants": len(grants),
         }
 

@@ -105,34 +105,7 @@ class Orchestrator:
         conn = args.get("conn", 0)
         session = global_session(slot, conn)
         if op == "register":
-            gpus = args.get("gpus")
-            event: Event = JobRegistered(
-                session,
-                args["job"],
-                args["group"],
-                tuple(global_gpu(slot, g) for g in gpus) if gpus is not None else None,
-                tuple(args.get("pids", ())),
-                exclusive=bool(args.get("exclusive")),
-                node=slot,
-            )
-            group = self.scheduler.groups.get(args["group"])
-            before = group.gpus if group is not None else ()
-            result = self._feed(event, now)
-            if not before:
-                self.scheduler.raise_fence(args["group"], self.fence_floor.get(args["group"], 0))
-            self.job_nodes.setdefault(args["job"], set()).add(slot)
-            self.gone.get(args["job"], set()).discard(slot)
-            self._note_span(args["group"])
-            if before and tuple(result["gpus"]) != before:  # the group grew onto another node: tell its nodes
-                slots = {
-                    s
-                    for j in self.scheduler.jobs.values()
-                    if j.group == args["group"]
-                    for s in self.job_nodes.get(j.name, ())
-                }
-                for s in sorted(slots):
-                    self._to(s, {"k": "span", "group": args["group"], "gpus": result["gpus"]})
-            return result
+            return self._register(slot, session, args, now)
         if op == "acquire":
             timeout = args.get("timeout")
             self._feed(AcquireRequested(session, args["rid"], None if timeout is None else now + timeout), now)
@@ -161,6 +134,31 @@ class Orchestrator:
         if op == "drain":
             return self._feed(DrainRequested(args["group"], bool(args["on"])), now)
         raise errors.UnknownOp(f"the leader has no operation {op!r}")
+
+    def _register(self, slot: int, session: int, args: dict[str, Any], now: float) -> dict[str, Any]:
+        gpus = args.get("gpus")
+        event = JobRegistered(
+            session,
+            args["job"],
+            args["group"],
+            tuple(global_gpu(slot, g) for g in gpus) if gpus is not None else None,
+            tuple(args.get("pids", ())),
+            exclusive=bool(args.get("exclusive")),
+            node=slot,
+        )
+        group = self.scheduler.groups.get(args["group"])
+        before = group.gpus if group is not None else ()
+        result: dict[str, Any] = self._feed(event, now)
+        if not before:  # a new group: its fences go on from where this leader's earlier eras left them
+            self.scheduler.raise_fence(args["group"], self.fence_floor.get(args["group"], 0))
+        self.job_nodes.setdefault(args["job"], set()).add(slot)
+        self.gone.get(args["job"], set()).discard(slot)
+        self._note_span(args["group"])
+        if before and tuple(result["gpus"]) != before:  # the group grew onto another node: tell its nodes
+            jobs = [j.name for j in self.scheduler.jobs.values() if j.group == args["group"]]
+            for s in sorted({s for j in jobs for s in self.job_nodes.get(j, ())}):
+                self._to(s, {"k": "span", "group": args["group"], "gpus": result["gpus"]})
+        return result
 
     def handle_timers(self, now: float) -> None:
         for op, fan in list(self._fanouts.items()):
@@ -288,9 +286,11 @@ class Orchestrator:
             return
         del self._fanouts[op]
         if fan.kind == "reclaim":
+            group = self.scheduler.jobs[fan.job].group
             self.job_nodes.pop(fan.job, None)
             self.gone.pop(fan.job, None)
             self.scheduler.handle(ReclaimFinished(op), now)
+            self._trim(group)
         else:
             if fan.unknown:
                 self._unknown.add(fan.job)
@@ -311,6 +311,27 @@ class Orchestrator:
         g = self.scheduler.groups.get(group)
         if g is not None:
             self.spans.setdefault(group, set()).update(gpu_slot(gpu) for gpu in g.gpus)
+
+    def _trim(self, group: str) -> None:
+        """A group stops spanning nodes where none of its jobs is left, so it never waits for them.
+
+        A group spanning several nodes is forgotten with its last job (a single node's stays,
+        with its figures); its fence stays the floor of this leader's grants.
+        """
+        g = self.scheduler.groups[group]
+        slots = {s for j in self.scheduler.jobs.values() if j.group == group for s in self.job_nodes.get(j.name, ())}
+        before = g.gpus
+        if not slots and len({gpu_slot(gpu) for gpu in before}) > 1:
+            self.fence_floor[group] = self.scheduler.forget_group(group)
+            self.spans.pop(group, None)
+            self._refreeze()
+            return
+        self.scheduler.shrink_group(group, [gpu for gpu in g.gpus if gpu_slot(gpu) in slots])
+        if g.gpus != before:
+            self.spans[group] = {gpu_slot(gpu) for gpu in g.gpus}
+            self._refreeze()
+            for s in sorted(slots):
+                self._to(s, {"k": "span", "group": group, "gpus": list(g.gpus)})
 
     def _refreeze(self) -> None:
         frozen = {}

@@ -247,6 +247,19 @@ class Scheduler:
         group = self.groups[name]
         group.gpus = tuple(sorted(set(group.gpus) | (set(gpus) & set(self.capacities))))
 
+    def shrink_group(self, name: str, gpus: Iterable[int]) -> None:
+        """The group keeps only ``gpus`` (the nodes where it still has jobs); never none."""
+        group = self.groups[name]
+        kept = tuple(g for g in group.gpus if g in set(gpus))
+        if kept:
+            group.gpus = kept
+
+    def forget_group(self, name: str) -> int:
+        """Drop a group that has no jobs left; returns its fence (new grants must go above it)."""
+        if any(j.group == name for j in self.jobs.values()):
+            raise ValueError(f"group {name!r} still has jobs")
+        return self.groups.pop(name).fence
+
     def adopt_job(
         self,
         name: str,

@@ -1,0 +1,327 @@
+"""The cluster cores one step at a time: the orchestrator's rebuild and routing, and a node's fencing."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from timesliced import errors
+from timesliced.cluster.node import PENDING, ClusterNode, Fail, Reply, Send
+from timesliced.cluster.orchestrator import Orchestrator
+
+ERA = (3, 1)
+NOW = 100.0
+
+
+def job(name: str, group: str, location: str, footprint: dict[str, int], span: list[int], **kw: Any) -> dict[str, Any]:
+    return {
+        "job": name,
+        "group": group,
+        "exclusive": False,
+        "location": location,
+        "footprint": footprint,
+        "faulted": kw.get("faulted", ""),
+        "span": span,
+        "gone": kw.get("gone", False),
+    }
+
+
+def report(jobs: list[dict[str, Any]], sessions: list[tuple[int, str]], **kw: Any) -> dict[str, Any]:
+    return {
+        "devices": {"0": 100},
+        "sessions": [{"conn": c, "job": j, "pids": []} for c, j in sessions],
+        "jobs": jobs,
+        "holders": kw.get("holders", []),
+        "waiting": kw.get("waiting", []),
+        "fences": kw.get("fences", {}),
+    }
+
+
+def messages(orch: Orchestrator, kind: str) -> list[tuple[int, dict[str, Any]]]:
+    return [(o.slot, o.message) for o in orch.drain() if o.message["k"] == kind]
+
+
+# --- rebuild ------------------------------------------------------------------------------
+
+
+def test_rebuild_keeps_the_holder_its_fence_and_the_queue_in_the_old_order() -> None:
+    span = [0, 100]
+    reports = {
+        0: report(
+            [job("A", "g", "resident", {"0": 40}, span), job("B", "g", "parked", {"0": 40}, span)],
+            [(1, "A"), (2, "B")],
+            holders=[{"group": "g", "job": "A", "fence": 7, "conns": [1]}],
+            waiting=[{"conn": 2, "rid": 5, "seq": 12, "order": 1, "deadline_in": None}],
+            fences={"g": 7},
+        ),
+        1: report(
+            [job("C", "g", "parked", {"0": 40}, span), job("A", "g", "resident", {}, span)],
+            [(1, "C"), (2, "A")],
+            holders=[{"group": "g", "job": "A", "fence": 7, "conns": [2]}],
+            waiting=[{"conn": 1, "rid": 9, "seq": 11, "order": 4, "deadline_in": 30.0}],
+            fences={"g": 7},
+        ),
+    }
+    orch, problems = Orchestrator.rebuild(ERA, reports, [], NOW)
+    assert problems == []
+    g = orch.scheduler.groups["g"]
+    assert (g.holder, g.fence, g.gpus) == ("A", 7, (0, 100))
+    assert g.holder_sessions == {1, (1 << 40) + 2}
+    assert [w.job for w in g.queue] == ["C", "B"]  # seq 11 before seq 12, whatever node they are on
+    assert orch.scheduler.next_deadline() == NOW + 30.0
+    orch.scheduler.check_invariants()
+
+
+def test_rebuild_freezes_groups_on_a_node_that_did_not_report() -> None:
+    reports = {0: report([job("A", "g", "parked", {"0": 40}, [0, 200])], [(1, "A")])}
+    reports[0]["waiting"] = [{"conn": 1, "rid": 1, "seq": None, "order": 1, "deadline_in": None}]
+    orch, _ = Orchestrator.rebuild(ERA, reports, [2], NOW)
+    assert "g" in orch.scheduler.frozen
+    assert messages(orch, "move") == [] and messages(orch, "grant") == []  # nothing moves, nothing granted
+
+
+def test_rebuild_parks_a_half_switched_job_before_granting_it() -> None:
+    span = [0, 100]
+    reports = {
+        0: report([job("A", "g", "parked", {"0": 60}, span)], [(1, "A")]),
+        1: report(
+            [job("A", "g", "resident", {"0": 60}, span)],
+            [(1, "A")],
+            waiting=[{"conn": 1, "rid": 1, "seq": 3, "order": 1, "deadline_in": None}],
+        ),
+    }
+    orch, _ = Orchestrator.rebuild(ERA, reports, [], NOW)
+    a = orch.scheduler.jobs["A"]
+    assert a.location.value == "parking"
+    assert a.footprint == {100: 60}  # what the GPUs hold now
+    moves = messages(orch, "move")
+    assert {slot for slot, _ in moves} == {0, 1} and {m["kind"] for _, m in moves} == {"snapshot"}
+    op = moves[0][1]["op"]
+    for slot in (0, 1):
+        orch.handle(slot, "move_done", {"op": op, "ok": True, "nbytes": 60, "seconds": 0.1}, NOW + 1)
+    assert orch.scheduler.jobs["A"].footprint == {0: 60, 100: 60}  # all of it once parked everywhere
+    assert {m["kind"] for _, m in messages(orch, "move")} == {"restore"}  # then it comes back for its grant
+
+
+def test_rebuild_continues_fences_above_what_any_node_saw() -> None:
+    reports = {
+        0: report([job("A", "g", "resident", {}, [0])], [(1, "A")], fences={"g": 41}),
+    }
+    reports[0]["waiting"] = [{"conn": 1, "rid": 1, "seq": None, "order": 1, "deadline_in": None}]
+    orch, _ = Orchestrator.rebuild(ERA, reports, [], NOW, fence_floor={"g": 50})
+    ((_, grant),) = messages(orch, "grant")
+    assert grant["info"]["fence"] == 51 and grant["info"]["term"] == ERA[0] and grant["era"] == list(ERA)
+
+
+def test_rebuild_tells_a_second_claimed_holder_it_lost_the_lock() -> None:
+    reports = {
+        0: report(
+            [job("A", "g", "resident", {}, [0, 100])],
+            [(1, "A")],
+            holders=[{"group": "g", "job": "A", "fence": 4, "conns": [1]}],
+        ),
+        1: report(
+            [job("B", "g", "resident", {}, [0, 100])],
+            [(1, "B")],
+            holders=[{"group": "g", "job": "B", "fence": 5, "conns": [1]}],
+        ),
+    }
+    orch, _ = Orchestrator.rebuild(ERA, reports, [], NOW)
+    assert orch.scheduler.groups["g"].holder == "B"
+    lost = [(s, m) for s, m in messages(orch, "notify") if m["event"] == "lock_lost"]
+    assert lost == [(0, {"k": "notify", "job": "A", "event": "lock_lost", "data": lost[0][1]["data"], "era": [3, 1]})]
+
+
+# --- moves across nodes ----------------------------------------------------------------------
+
+
+def two_node_orchestrator() -> Orchestrator:
+    orch = Orchestrator(ERA, {0: 100, 100: 100}, op_timeout=10.0)
+    for slot in (0, 1):
+        for conn, name in ((1, "A"), (2, "B")):
+            orch.handle(slot, "register", {"conn": conn, "job": name, "group": "g", "gpus": [0]}, NOW)
+    orch.drain()
+    return orch
+
+
+def test_a_move_finishes_when_every_node_did_its_part() -> None:
+    orch = two_node_orchestrator()
+    orch.handle(0, "acquire", {"conn": 1, "rid": 1, "timeout": None}, NOW)
+    orch.handle(0, "alloc", {"conn": 1, "rid": 2, "gpu": 0, "nbytes": 60, "requested": 60}, NOW)
+    orch.handle(0, "release", {"conn": 1}, NOW)
+    orch.handle(0, "acquire", {"conn": 2, "rid": 3, "timeout": None}, NOW)
+    orch.handle(0, "alloc", {"conn": 2, "rid": 4, "gpu": 0, "nbytes": 60, "requested": 60}, NOW)
+    moves = messages(orch, "move")
+    assert [(s, m["kind"], m["job"]) for s, m in moves] == [(0, "snapshot", "A"), (1, "snapshot", "A")]
+    op = moves[0][1]["op"]
+    orch.handle(0, "move_done", {"op": op, "ok": True, "nbytes": 60, "seconds": 0.2}, NOW + 1)
+    assert orch.scheduler.jobs["A"].location.value == "parking"  # node 1 has not answered yet
+    orch.handle(1, "move_done", {"op": op, "ok": True, "nbytes": 0, "seconds": 0.1}, NOW + 1)
+    assert orch.scheduler.jobs["A"].location.value == "parked"
+    assert orch.scheduler.jobs["A"].bytes_moved == 60
+
+
+def test_a_node_that_drops_off_mid_restore_faults_the_job_and_keeps_its_memory() -> None:
+    orch = two_node_orchestrator()
+    orch.handle(0, "acquire", {"conn": 1, "rid": 1, "timeout": None}, NOW)
+    orch.handle(0, "alloc", {"conn": 1, "rid": 2, "gpu": 0, "nbytes": 60, "requested": 60}, NOW)
+    orch.handle(0, "release", {"conn": 1}, NOW)
+    orch.handle(0, "acquire", {"conn": 2, "rid": 3, "timeout": None}, NOW)
+    orch.handle(0, "alloc", {"conn": 2, "rid": 4, "gpu": 0, "nbytes": 60, "requested": 60}, NOW)
+    (op,) = {m["op"] for _, m in messages(orch, "move")}
+    for slot in (0, 1):
+        orch.handle(slot, "move_done", {"op": op, "ok": True, "nbytes": 60, "seconds": 0.1}, NOW)
+    orch.handle(0, "release", {"conn": 2}, NOW)
+    orch.handle(0, "acquire", {"conn": 1, "rid": 5, "timeout": None}, NOW)  # A comes back: B is parked first
+    (snap,) = {m["op"] for _, m in messages(orch, "move")}
+    for slot in (0, 1):
+        orch.handle(slot, "move_done", {"op": snap, "ok": True, "nbytes": 60, "seconds": 0.1}, NOW)
+    restore = {m["op"] for _, m in messages(orch, "move") if m["kind"] == "restore"}
+    assert len(restore) == 1
+    orch.handle(0, "move_done", {"op": restore.pop(), "ok": True, "nbytes": 60, "seconds": 0.1}, NOW)
+    orch.node_offline(1, NOW + 1)
+    a = orch.scheduler.jobs["A"]
+    assert a.faulted.startswith("restore failed: node 1 is out of reach")
+    assert a.location.value == "resident"  # counted as on the GPU: nothing else is put there
+    notify = [m for _, m in messages(orch, "notify") if m["event"] == "faulted"]
+    assert notify and notify[0]["data"]["until_resync"] is True
+    assert "g" in orch.scheduler.frozen
+    orch.scheduler.check_invariants()
+
+
+def test_a_group_stops_spanning_a_node_its_last_job_left() -> None:
+    orch = Orchestrator(ERA, {0: 100, 100: 100, 200: 100})
+    orch.handle(0, "register", {"conn": 1, "job": "A", "group": "g", "gpus": [0]}, NOW)
+    orch.handle(1, "register", {"conn": 1, "job": "A", "group": "g", "gpus": [0]}, NOW)
+    orch.handle(2, "register", {"conn": 1, "job": "B", "group": "g", "gpus": [0]}, NOW)
+    assert orch.scheduler.groups["g"].gpus == (0, 100, 200)
+    orch.handle(2, "closed", {"conn": 1}, NOW)
+    orch.handle(2, "gone", {"job": "B"}, NOW)
+    orch.drain()
+    (reclaim,) = [m for m in orch.scheduler._moves.values() if m.kind == "reclaim"]
+    orch.handle(2, "move_done", {"op": reclaim.op, "ok": True}, NOW)
+    assert orch.scheduler.groups["g"].gpus == (0, 100)
+    spans = messages(orch, "span")
+    assert sorted(s for s, _ in spans) == [0, 1] and spans[0][1]["gpus"] == [0, 100]
+    # with its last job gone too, the group is forgotten; its fence stays the floor
+    orch.scheduler.groups["g"].fence = 9
+    for slot in (0, 1):
+        orch.handle(slot, "closed", {"conn": 1}, NOW)
+        orch.handle(slot, "gone", {"job": "A"}, NOW)
+    (reclaim,) = [m for m in orch.scheduler._moves.values() if m.kind == "reclaim"]
+    for slot in (0, 1):
+        orch.handle(slot, "move_done", {"op": reclaim.op, "ok": True}, NOW)
+    assert "g" not in orch.scheduler.groups and orch.fence_floor == {"g": 9}
+    orch.handle(2, "register", {"conn": 2, "job": "C", "group": "g", "gpus": [0]}, NOW)
+    assert orch.scheduler.groups["g"].gpus == (200,) and orch.scheduler.groups["g"].fence == 9
+
+
+# --- a node's fencing -------------------------------------------------------------------------
+
+
+def node(name: str = "b") -> ClusterNode:
+    n = ClusterNode(name, ("a", "b", "c"), {0: 100}, rng=random.Random(1))
+    n.start(0.0)
+    n.drain()
+    return n
+
+
+def follow(n: ClusterNode, leader: str, term: int, gen: int = 1) -> None:
+    """Make ``n`` follow ``leader`` in ``term`` and take its sync and ready."""
+    n.receive(leader, {"k": "elect", "m": {"type": "heartbeat", "term": term, "leader": leader, "sent_at": 0.0}}, 0.1)
+    n.receive(leader, {"k": "sync", "era": [term, gen]}, 0.1)
+    n.receive(leader, {"k": "ready", "era": [term, gen]}, 0.1)
+    n.drain()
+
+
+def registered(n: ClusterNode, leader: str, term: int, conn: int = 1) -> None:
+    assert n.request(conn, 1, "register", {"job": "A", "group": "g", "gpus": [0]}, 0.2) is PENDING
+    (send,) = [e for e in n.drain() if isinstance(e, Send)]
+    assert send.to == leader and send.message["k"] == "req" and send.message["era"] == [term, 1]
+    result = {"job": "A", "group": "g", "gpus": [100], "location": "resident"}
+    n.receive(leader, {"k": "res", "id": send.message["id"], "ok": True, "result": result, "era": [term, 1]}, 0.2)
+    (reply,) = n.drain()
+    assert isinstance(reply, Reply) and reply.result["gpus"] == [0]
+
+
+def grant(term: int, fence: int, rid: int, again: bool = False) -> dict[str, Any]:
+    info = {"group": "g", "job": "A", "fence": fence, "waited_s": 0.0, "switch_s": 0.0, "restored": False}
+    return {"k": "grant", "tickets": [[1, rid]], "info": {**info, "term": term}, "again": again, "era": [term, 1]}
+
+
+def test_a_node_refuses_directions_from_anyone_but_its_leader_in_its_era() -> None:
+    n = node()
+    follow(n, "a", 2)
+    registered(n, "a", 2)
+    n.request(1, 2, "acquire", {"timeout": None}, 0.3)
+    n.drain()
+    n.receive("c", grant(2, 1, 2), 0.3)  # not the leader
+    n.receive("a", {**grant(2, 1, 2), "era": [2, 0]}, 0.3)  # an older era of the leader
+    assert n.drain() == [] and n.refused == 2
+    n.receive("a", grant(2, 1, 2), 0.3)
+    (reply,) = n.drain()
+    assert isinstance(reply, Reply) and reply.result["fence"] == 1 and n.holders["g"].fence == 1
+
+
+def test_a_node_never_delivers_an_older_grant_of_a_group() -> None:
+    n = node()
+    follow(n, "a", 2)
+    registered(n, "a", 2)
+    n.request(1, 2, "acquire", {"timeout": None}, 0.3)
+    n.receive("a", grant(2, 5, 2), 0.3)
+    n.request(1, 3, "release", {}, 0.3)
+    n.request(1, 4, "acquire", {"timeout": None}, 0.3)
+    n.drain()
+    n.receive("a", grant(2, 4, 4), 0.3)  # a fence below the last one delivered
+    n.receive("a", grant(2, 5, 4), 0.3)  # the same fence, not as "again"
+    assert [e for e in n.drain() if isinstance(e, Reply)] == [] and n.refused == 2
+    n.receive("a", grant(2, 6, 4), 0.3)
+    assert [e.result["fence"] for e in n.drain() if isinstance(e, Reply)] == [6]
+
+
+def test_a_new_leaders_sync_is_answered_with_a_report_once_moves_are_done() -> None:
+    n = node()
+    follow(n, "a", 2)
+    registered(n, "a", 2)
+    n.receive("a", {"k": "move", "op": 7, "kind": "snapshot", "job": "A", "era": [2, 1]}, 0.4)
+    (run,) = n.drain()
+    # a new leader in term 3 asks for a report while the snapshot runs
+    n.receive("c", {"k": "elect", "m": {"type": "heartbeat", "term": 3, "leader": "c", "sent_at": 0.0}}, 0.5)
+    n.receive("c", {"k": "sync", "era": [3, 1]}, 0.5)
+    assert not [e for e in n.drain() if isinstance(e, Send) and e.message["k"] == "report"]
+    n.move_finished(run.key, True, 60, 0.1, "", 0.6)
+    sends = [e for e in n.drain() if isinstance(e, Send)]
+    assert [(s.to, s.message["k"]) for s in sends] == [("c", "report")]  # the old era's move_done goes nowhere
+    (j,) = sends[0].message["report"]["jobs"]
+    assert (j["job"], j["location"]) == ("A", "parked")
+    n.receive("a", grant(2, 9, 2), 0.7)  # the deposed leader can no longer grant
+    assert n.drain() == [] and n.refused == 1
+
+
+def test_requests_wait_for_a_leader_and_fail_cleanly_when_refused() -> None:
+    n = node()
+    assert n.request(1, 1, "register", {"job": "A", "group": "g", "gpus": [0]}, 0.1) is PENDING
+    assert [e for e in n.drain() if isinstance(e, Send) and e.message["k"] == "req"] == []  # no leader yet
+    follow(n, "a", 2)
+    n.receive("a", {"k": "ready", "era": [2, 1]}, 0.2)
+    req = next(e for e in n.drain() if isinstance(e, Send) and e.message["k"] == "req")
+    error = errors.to_wire(errors.GroupMismatch("no"))
+    n.receive("a", {"k": "res", "id": req.message["id"], "ok": False, "error": error, "era": [2, 1]}, 0.3)
+    (fail,) = n.drain()
+    assert isinstance(fail, Fail) and isinstance(fail.error, errors.GroupMismatch)
+    with pytest.raises(errors.NotRegistered):
+        n.request(1, 2, "acquire", {"timeout": None}, 0.3)
+
+
+def test_a_single_node_leads_at_once_and_answers_within_the_call() -> None:
+    n = ClusterNode("solo", ("solo",), {0: 100, 1: 100}, rng=random.Random(1))
+    n.start(0.0)
+    assert n.leading and n.ready
+    result = n.request(1, 1, "register", {"job": "A", "group": "g", "gpus": None}, 0.1)
+    assert result["gpus"] == [0, 1]
+    assert n.request(1, 2, "acquire", {"timeout": None}, 0.1) is PENDING
+    (reply,) = [e for e in n.drain() if isinstance(e, Reply)]
+    assert reply.rid == 2 and reply.result["fence"] == 1 and reply.result["term"] == 1
+    assert [type(e).__name__ for e in n.drain()] == []
