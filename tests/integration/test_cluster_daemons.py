@@ -52,9 +52,12 @@ def test_three_daemons_elect_one_leader_and_forward(tmp_path: Path) -> None:
         grants = read_grants(*logs)
         assert len(grants) >= 20
         assert double_grants(grants) == 0
-        group = next(g for g in cluster.status(leader)["groups"] if g["group"] == "pool")
+        status = cluster.status(leader)
+        group = next(g for g in status["groups"] if g["group"] == "pool")
         assert len(group["gpus"]) == 2  # GPU 0 of each follower
-        assert group["switches"] >= 2
+        # a job whose two processes overlap their holds keeps the lock ("again" grants) while they
+        # do, so how often the jobs alternate varies; state moved at least once between them
+        assert group["switches"] >= 1 and group["bytes_moved"] >= 40 * MiB, (group, status["cluster"]["era"])
 
 
 @pytest.mark.parametrize("moment", ["idle", "switch"])

@@ -325,3 +325,17 @@ def test_a_single_node_leads_at_once_and_answers_within_the_call() -> None:
     (reply,) = [e for e in n.drain() if isinstance(e, Reply)]
     assert reply.rid == 2 and reply.result["fence"] == 1 and reply.result["term"] == 1
     assert [type(e).__name__ for e in n.drain()] == []
+
+
+def test_a_leader_that_takes_stock_again_keeps_its_figures() -> None:
+    reports = {0: report([job("A", "g", "resident", {}, [0])], [(1, "A")])}
+    old, _ = Orchestrator.rebuild(ERA, reports, [], NOW)
+    for rid in (2, 4, 6):
+        old.handle(0, "acquire", {"conn": 1, "rid": rid, "timeout": None}, NOW)
+        old.handle(0, "release", {"conn": 1}, NOW + 1)
+    reports[0]["fences"] = {"g": 3}
+    new, _ = Orchestrator.rebuild((3, 2), reports, [], NOW + 2)
+    assert (new.scheduler.groups["g"].grants, new.scheduler.jobs["A"].slices) == (0, 0)
+    new.scheduler.carry_figures(old.scheduler)
+    g = new.scheduler.groups["g"]
+    assert (g.grants, g.fence, g.held_total_s, new.scheduler.jobs["A"].slices) == (3, 3, 3.0, 3)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from timesliced.cluster.transport import NONCE_SIZE, PEER_PROTOCOL, PeerTransport
+from timesliced.cluster.transport import NONCE_SIZE, PEER_PROTOCOL, PeerTransport, welcome_mac
 from timesliced.errors import FrameTooLarge
 from timesliced.wire.codec import HEADER, decode_body, encode
 
@@ -160,7 +160,14 @@ async def dial(
     challenge = await read_frame(reader)
     assert challenge["t"] == "challenge" and challenge["v"] == PEER_PROTOCOL
     assert isinstance(challenge["nonce"], bytes) and len(challenge["nonce"]) == NONCE_SIZE
-    hello = {"t": "hello", "v": PEER_PROTOCOL, "node": node, "to": to, "mac": mac(token, challenge["nonce"], node, to)}
+    hello = {
+        "t": "hello",
+        "v": PEER_PROTOCOL,
+        "node": node,
+        "to": to,
+        "mac": mac(token, challenge["nonce"], node, to),
+        "nonce": os.urandom(NONCE_SIZE),
+    }
     writer.write(encode(hello))
     return reader, writer, await read_frame(reader)
 
@@ -168,9 +175,10 @@ async def dial(
 class Accepter:
     """A hand-made accepting node: challenges, welcomes as ``answer_as``, then never reads again."""
 
-    def __init__(self, net: Net, answer_as: str) -> None:
+    def __init__(self, net: Net, answer_as: str, token: str = TOKEN) -> None:
         self.net = net
         self.answer_as = answer_as
+        self.token = token
         self.hellos: list[dict[str, Any]] = []
         self.readers: list[asyncio.StreamReader] = []
         self.release = asyncio.Event()
@@ -195,8 +203,10 @@ class Accepter:
         self.serving.add(task)
         try:
             writer.write(encode({"t": "challenge", "v": PEER_PROTOCOL, "nonce": os.urandom(NONCE_SIZE)}))
-            self.hellos.append(await read_frame(reader))
-            writer.write(encode({"t": "welcome", "node": self.answer_as}))
+            hello = await read_frame(reader)
+            self.hellos.append(hello)
+            proof = welcome_mac(self.token.encode(), hello["nonce"], self.answer_as, hello["node"])
+            writer.write(encode({"t": "welcome", "node": self.answer_as, "mac": proof}))
             self.readers.append(reader)
             await self.release.wait()
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -374,6 +384,20 @@ def test_a_welcome_from_another_node_is_not_trusted() -> None:
     run(body)
 
 
+def test_an_accepter_that_does_not_know_the_token_gets_nothing() -> None:
+    async def body(net: Net) -> None:
+        accepter = Accepter(net, answer_as="b", token="an impostor's guess at it")
+        a = Node(net, "a", {"b": await accepter.start()})
+        a.t.send("b", {"n": 1})
+        await net.start(a)
+        await eventually(lambda: "does not know the token" in (a.peer("b")["last_error"] or ""), "the rejection")
+        assert not a.t.connected("b") and a.links == []
+        assert await at_eof(accepter.readers[0])  # a hung up without sending its message
+        assert a.peer("b")["queued"] == 1 and a.peer("b")["sent"] == 0
+
+    run(body)
+
+
 def test_a_silent_connection_is_closed_after_the_handshake_timeout() -> None:
     async def body(net: Net) -> None:
         b = net.node("b", ["a"], handshake_timeout=0.2)
@@ -393,7 +417,7 @@ def test_a_second_connection_from_a_peer_replaces_the_first() -> None:
         b = net.node("b", ["a"])
         await net.start(b)
         first, _, welcome = await dial(net, net.address("b"), "a", "b")
-        assert welcome == {"t": "welcome", "node": "b"}
+        assert welcome["t"] == "welcome" and welcome["node"] == "b" and len(welcome["mac"]) == 32
         _, writer, welcome = await dial(net, net.address("b"), "a", "b")
         assert welcome["t"] == "welcome"
         assert await at_eof(first)

@@ -213,6 +213,7 @@ class ClusterNode:
         self.orch: Orchestrator | None = None
         self._gen = 0
         self._fence_floor: tuple[int, dict[str, int]] = (0, {})  # (term, group -> highest fence given)
+        self._figures: Scheduler | None = None  # the scheduler of this leader's previous era, for its figures
         self._collect: dict[str, dict[str, Any]] | None = None
         self._collect_era: Era | None = None
         self._collect_deadline = float("inf")
@@ -689,6 +690,9 @@ class ClusterNode:
         if self.orch is not None and self.orch.era[0] == era[0]:  # fences go on growing within a term
             self._fence_floor[1].update(self.orch.fence_floor)
             self._fence_floor[1].update({g.name: g.fence for g in self.orch.scheduler.groups.values()})
+            self._figures = self.orch.scheduler  # and so do the figures
+        else:
+            self._figures = None
         self.orch = None
         self._collect, self._collect_era = {}, era
         self._collect_deadline = now + self.sync_timeout
@@ -750,6 +754,9 @@ class ClusterNode:
             op_timeout=self.op_timeout,
             fence_floor=self._fence_floor[1],
         )
+        if self._figures is not None:
+            self.orch.scheduler.carry_figures(self._figures)
+            self._figures = None
         self._reporters = set(self._collect)
         self._collect, self._collect_deadline = None, float("inf")
         for text in problems:

@@ -4,10 +4,12 @@ Each node dials every other node once and sends to it only on that outbound
 connection; it receives from a peer only on the connection that peer dialed.
 So two nodes never race to pick one of two duplicate connections.
 
-Every new connection starts with a challenge-response handshake. The accepting
-side sends a random nonce; the dialer answers with an HMAC-SHA256, keyed by the
-shared token, over the nonce and both node ids. The token itself never crosses
-the wire and is never logged. This authenticates the connection, not each
+Every new connection starts with a challenge-response handshake in both
+directions. The accepting side sends a random nonce; the dialer answers with an
+HMAC-SHA256, keyed by the shared token, over the nonce and both node ids, and
+its own nonce; the accepter's welcome proves the token the same way over that
+one. So neither side sends to, or takes from, a node that does not know the
+token. The token itself never crosses the wire and is never logged. This authenticates the connection, not each
 frame: links are meant for a private network.
 
 Delivery is at most once and in order per link. Frames wait in a bounded
@@ -44,6 +46,11 @@ WRITE_BATCH = 64 << 10  # a backlog is handed to the socket in writes of about t
 JITTER = 0.2  # reconnect delays vary by this fraction either way, so restarted peers do not dial in lockstep
 CLOSE_TIMEOUT = 1.0  # close() waits this long for connections to flush and go before aborting them
 BACKLOG = 128
+
+
+def welcome_mac(token: bytes, nonce: bytes, node: str, to: str) -> bytes:
+    """The accepter's proof: a MAC that cannot be replayed as a dialer's (another domain)."""
+    return handshake_mac(token, b"welcome\0" + nonce, node, to)
 
 
 def handshake_mac(token: bytes, nonce: bytes, node: str, to: str) -> bytes:
@@ -367,6 +374,9 @@ class PeerTransport:
         to = message.get("to")
         if to != self.node_id:
             return f"this is node {self.node_id!r}, not {_shown(to)}"
+        theirs = message.get("nonce")
+        if not isinstance(theirs, bytes) or len(theirs) != NONCE_SIZE:
+            return "the hello holds no valid nonce"
         mac = message.get("mac")
         expected = handshake_mac(self._token, nonce, node, self.node_id)
         if not isinstance(mac, bytes) or not hmac.compare_digest(mac, expected):
@@ -404,6 +414,7 @@ class _Outbound(asyncio.Protocol):
         self.decoder = FrameDecoder(owner.max_frame)
         self.hello_sent = False
         self.welcomed = False
+        self.nonce = secrets.token_bytes(NONCE_SIZE)  # the accepter proves the token over it
         self.paused = False
         self.error: errors.TimeslicedError | None = None
         # Both futures only ever get a result, so none holds an exception nobody retrieves.
@@ -468,7 +479,7 @@ class _Outbound(asyncio.Protocol):
                 raise errors.ProtocolError("the challenge holds no valid nonce")
             node, to = self.owner.node_id, self.link.peer
             mac = handshake_mac(self.owner._token, nonce, node, to)
-            hello = {"t": "hello", "v": PEER_PROTOCOL, "node": node, "to": to, "mac": mac}
+            hello = {"t": "hello", "v": PEER_PROTOCOL, "node": node, "to": to, "mac": mac, "nonce": self.nonce}
             self.write(encode(hello, self.owner.max_frame))
             self.hello_sent = True
         elif kind == "welcome":
@@ -476,6 +487,10 @@ class _Outbound(asyncio.Protocol):
             if answered != self.link.peer:
                 # A misconfigured address: never deliver this peer's messages to another node.
                 raise errors.ProtocolError(f"the node there is {_shown(answered)}, not {self.link.peer!r}")
+            proof = message.get("mac")
+            expected = welcome_mac(self.owner._token, self.nonce, answered, self.owner.node_id)
+            if not isinstance(proof, bytes) or not hmac.compare_digest(proof, expected):
+                raise errors.PermissionDenied(f"the node at {self.link.peer!r}'s address does not know the token")
             self.welcomed = True
             self._settle()
         elif kind == "refused":
@@ -578,7 +593,8 @@ class _Inbound(asyncio.Protocol):
                 return
             self.peer = message["node"]
             self._disarm()
-            self._send({"t": "welcome", "node": self.owner.node_id})
+            proof = welcome_mac(self.owner._token, message["nonce"], self.owner.node_id, self.peer)
+            self._send({"t": "welcome", "node": self.owner.node_id, "mac": proof})
             self.owner._accepted(self, message["node"])
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -289,6 +289,21 @@ class Scheduler:
         g.holder, g.holder_sessions, g.held_since = job, set(sessions), now
         g.fence = max(g.fence, fence)
 
+    def carry_figures(self, old: Scheduler) -> None:
+        """Take the figures (counts, times, samples) of groups and jobs that ``old`` also had.
+
+        A leader that takes stock again within its term keeps them; state comes from the nodes.
+        """
+        for name, g in self.groups.items():
+            if (o := old.groups.get(name)) is not None:
+                g.created_at, g.grants, g.switches, g.bytes_moved = o.created_at, o.grants, o.switches, o.bytes_moved
+                g.held_total_s, g.deferred = o.held_total_s, o.deferred
+                g.switch_times, g.wait_times = o.switch_times, o.wait_times
+        for name, j in self.jobs.items():
+            if (oj := old.jobs.get(name)) is not None:
+                j.slices, j.restores, j.snapshots, j.gpu_seconds = oj.slices, oj.restores, oj.snapshots, oj.gpu_seconds
+                j.bytes_moved, j.waits, j.last_granted = oj.bytes_moved, oj.waits, oj.last_granted
+
     def raise_fence(self, group: str, fence: int) -> None:
         """New grants of ``group`` get fences above ``fence`` (the highest any node has seen)."""
         g = self.groups[group]
