@@ -269,7 +269,22 @@
     `<dt>Holder</dt><dd class="holder">${holderCell(g)}</dd>` +
     `<dt>Held for</dt><dd>${g.holder ? fmtDuration(g.held_s) : "—"}</dd>` +
     `<dt>Fence</dt><dd>${fmtNum(g.fence)}</dd>` +
-    `<dt>Draining</dt><dd>${g.draining ? "yes" : "no"}${isNum(g.deferred) && g.deferred > 0 ? ` (${esc(g.deferred)} requests deferred)` : ""}</dd>`;
+    `<dt>Draining</dt><dd>${g.draining ? "yes" : "no"}${isNum(g.deferred) && g.deferred > 0 ? ` (${esc(g.deferred)} requests deferred)` : ""}</dd>` +
+    `<dt>Maximum slice</dt><dd>${sliceCell(g)}</dd>`;
+
+  const sliceCell = (g) =>
+    !isNum(g.max_slice_s)
+      ? "none"
+      : `${fmtDuration(g.max_slice_s)}, then ${esc(g.slice_action)}` +
+        (isNum(g.overdue_s) ? ` <span class="badge preempted">overdue ${fmtDuration(g.overdue_s)}</span>` : "") +
+        (g.preemptions ? ` (${fmtNum(g.preemptions)} preempted)` : "");
+
+  const queueNote = (w) =>
+    w.preempted
+      ? ` <span class="badge preempted">preempted</span>`
+      : isNum(w.kept_for_s)
+        ? ` <span class="badge kept">turn kept ${fmtDuration(w.kept_for_s)}</span>`
+        : "";
 
   function queueRows(g) {
     const queue = items(g.queue);
@@ -277,7 +292,7 @@
     return queue
       .map(
         (w, i) =>
-          `<tr data-job="${esc(w.job)}"><td class="num">${i + 1}</td><td>${jobLink(w.job)}</td>` +
+          `<tr data-job="${esc(w.job)}"><td class="num">${i + 1}</td><td>${jobLink(w.job)}${queueNote(w)}</td>` +
           `<td class="num">${fmtDuration(w.waited_s)}</td><td class="num">${fmtNum(w.requests)}</td></tr>`
       )
       .join("");

@@ -16,6 +16,7 @@ from timesliced.config import DaemonConfig, default_sim_dir
 from timesliced.node.embedded import EmbeddedDaemon
 
 MiB = 1 << 20
+TOKEN = "shared-token-for-tests-5d1e8c0b"  # what TCP clients of the ``daemon`` fixture prove
 REPO = Path(__file__).resolve().parent.parent
 
 # tests/gpu needs a real NVIDIA GPU and runs only when asked for (tests/gpu/check.sh sets this):
@@ -36,6 +37,7 @@ def daemon(tmp_path: Path) -> Iterator[EmbeddedDaemon]:
         handshake_timeout=1.0,
         pid_poll_interval=0.1,
         listen=("127.0.0.1", 0),
+        token=TOKEN,
     )
     embedded = EmbeddedDaemon(config)
     embedded.start()

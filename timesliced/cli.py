@@ -21,13 +21,15 @@ from .config import (
     ADMIN_TOKEN_ENV,
     DEFAULT_WEB,
     PEER_TOKEN_ENV,
+    TOKEN_ENV,
     ClusterConfig,
     DaemonConfig,
     default_state_dir,
     parse_host_port,
     parse_size,
+    parse_slice_policy,
     read_admin_token,
-    read_peer_token,
+    read_token,
 )
 from .node.parking import CHOICES
 
@@ -94,13 +96,46 @@ def build_parser() -> argparse.ArgumentParser:
     offload.add_argument("--switches", type=int, default=200, help="switches between two jobs through a daemon")
     offload.add_argument("--json", action="store_true", help="print one JSON object")
     offload.set_defaults(run=cmd_bench_offload)
+    load = bench_sub.add_parser(
+        "load",
+        help="many job processes take rounds on one daemon; throughput, latency, lost grants",
+        description="One daemon with a simulated GPU per group and N job processes (round-robin over the groups) "
+        "that take rounds for S seconds: acquire, check that their 1 MiB region still holds the bytes they wrote "
+        "last round, write new ones, release. Each GPU has room for half its group's jobs, so most grants park one "
+        "job and restore another. Prints rounds per second, per-round time waiting on the daemon (acquire plus "
+        "release, p50 and p99), the daemon's CPU time and memory, and the failures: errors (exceptions in the jobs), "
+        "data_errors (bytes lost), double_grants (two jobs holding a group at once) and lost_grants (grants the "
+        "daemon made that no job received, i.e. gaps in a group's fences, plus acquires still waiting 10 s after "
+        "the end and job processes that gave no summary). Exits 1 if any failure is counted.",
+    )
+    load.add_argument("--clients", type=int, default=64, help="job processes, one job each")
+    load.add_argument("--groups", type=int, default=8, help="groups, each on its own simulated GPU")
+    load.add_argument("--seconds", type=float, default=30.0, help="how long the jobs take rounds")
+    load.add_argument("--json", action="store_true", help="print one JSON object")
+    load.set_defaults(run=cmd_bench_load)
     return parser
 
 
 def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", type=Path, default=None, help=f"state directory (default {default_state_dir()})")
     p.add_argument("--socket", type=Path, default=None, help="Unix socket path (default STATE_DIR/timesliced.sock)")
-    p.add_argument("--listen", type=parse_host_port, default=None, metavar="HOST:PORT", help="also serve TCP")
+    p.add_argument(
+        "--listen",
+        type=parse_host_port,
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve clients over TCP; they must prove the shared token (--token-file)",
+    )
+    p.add_argument(
+        "--token-file",
+        "--peer-token-file",
+        dest="token_file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"the deployment's shared token (16 characters or more) that peers and TCP clients prove; "
+        f"or ${TOKEN_ENV} (older spellings: --peer-token-file, ${PEER_TOKEN_ENV})",
+    )
     p.add_argument(
         "--web",
         default=None,
@@ -137,6 +172,38 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op-timeout", type=float, default=600.0, metavar="S", help="one snapshot or restore, any method")
     p.add_argument("--engine-timeout", type=float, default=120.0, metavar="S", help="vllm/sglang: one sleep or wake")
     p.add_argument("--offload-verify", action="store_true", help="offload: checksum every region after restore")
+    slices = p.add_argument_group("leases and slices")
+    slices.add_argument(
+        "--max-slice",
+        action="append",
+        default=[],
+        metavar="[GROUP=]S[:ACTION]",
+        help="how long a holder may keep its group while others wait (repeatable; no GROUP: every group); "
+        "ACTION warn or preempt, default --slice-action",
+    )
+    slices.add_argument(
+        "--slice-action",
+        choices=("warn", "preempt"),
+        default="warn",
+        help="past the maximum slice: warn the holder, or also park it after --preempt-grace and queue it again",
+    )
+    slices.add_argument(
+        "--preempt-grace", type=float, default=10.0, metavar="S", help="time from the warning to the preemption"
+    )
+    slices.add_argument(
+        "--lease",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a client silent this long is disconnected, and loses the lock it held (clients heartbeat; 0: never)",
+    )
+    slices.add_argument(
+        "--recovery-grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="after a restart, how long the jobs of the last run keep their places in the queues",
+    )
     cluster = p.add_argument_group("cluster (several nodes elect one leader; give one source of members)")
     cluster.add_argument("--peers", default=None, metavar="[ID=]HOST:PORT,...", help="every member, this node's too")
     cluster.add_argument("--slurm", action="store_true", help="members: the nodes of $SLURM_JOB_NODELIST")
@@ -145,9 +212,6 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     cluster.add_argument("--peer-port", type=int, default=DEFAULT_PEER_PORT, help="default peer port of members")
     cluster.add_argument(
         "--peer-listen", type=parse_host_port, default=None, metavar="HOST:PORT", help="default: 0.0.0.0:OWN_PORT"
-    )
-    cluster.add_argument(
-        "--peer-token-file", type=Path, default=None, metavar="PATH", help=f"shared token (or ${PEER_TOKEN_ENV})"
     )
     cluster.add_argument(
         "--election-timeout", type=float, default=1.0, metavar="S", help="randomized in [S, 2S); heartbeats every S/4"
@@ -167,7 +231,17 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         lock_timeout=args.lock_timeout,
         engine_timeout=args.engine_timeout,
         offload_verify=args.offload_verify,
+        lease=args.lease,
+        recovery_grace=args.recovery_grace,
     )
+    try:
+        config.slice_policies = dict(
+            parse_slice_policy(s, args.slice_action, args.preempt_grace) for s in args.max_slice
+        )
+    except ValueError as exc:
+        raise SystemExit(f"timesliced: --max-slice: {exc}") from None
+    if args.lease < 0 or args.recovery_grace < 0:
+        raise SystemExit("timesliced: --lease and --recovery-grace must be >= 0 seconds")
     if args.web is None:
         config.web, config.web_any_port = DEFAULT_WEB, True
     elif args.web != "off":
@@ -177,8 +251,14 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
             raise SystemExit(f"timesliced: --web: {exc}") from None
     try:
         config.admin_token = read_admin_token(args.admin_token_file)
+        config.token = read_token(args.token_file)
     except ValueError as exc:
         raise SystemExit(f"timesliced: {exc}") from None
+    if config.listen is not None and config.token is None:
+        raise SystemExit(
+            "timesliced: --listen serves clients over TCP, and they must prove a shared token: "
+            f"give --token-file PATH or set ${TOKEN_ENV}"
+        )
     if args.state_dir is not None:
         config.state_dir = args.state_dir
     if args.node:
@@ -187,7 +267,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         raise SystemExit("timesliced: --gpus must be at least 1")
     if args.peers is not None or args.slurm or args.dns is not None:
         try:
-            config.cluster, config.node = cluster_from_args(args)
+            config.cluster, config.node = cluster_from_args(args, config.token)
         except ValueError as exc:
             raise SystemExit(f"timesliced: {exc}") from None
     for flag in ("op_timeout", "lock_timeout", "engine_timeout"):
@@ -196,8 +276,10 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     return config
 
 
-def cluster_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, str]:
+def cluster_from_args(args: argparse.Namespace, token: str | None) -> tuple[ClusterConfig, str]:
     """The cluster this daemon is a member of, and its node id; raises ``ValueError``."""
+    if token is None:
+        raise ValueError(f"a cluster needs a shared token: give --token-file PATH or set ${TOKEN_ENV}")
     members, me = resolve_cluster(
         peers=args.peers,
         slurm=args.slurm,
@@ -214,7 +296,7 @@ def cluster_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, str]:
     cluster = ClusterConfig(
         members={m.id: m.address for m in members},
         listen=args.peer_listen or ("0.0.0.0", me.port),
-        token=read_peer_token(args.peer_token_file),
+        token=token,
         election_timeout=(lo, 2 * lo),
         heartbeat_interval=lo / 4,
     )
@@ -303,6 +385,22 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
     result = run_offload(mib=args.mib, rounds=args.rounds, device=args.device, switches=args.switches)
     print(json.dumps(result, indent=2) if args.json else format_offload(result))
     return 0
+
+
+def cmd_bench_load(args: argparse.Namespace) -> int:
+    from .bench_cluster import print_figures
+    from .bench_load import failed, run_load
+
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the daemon and the job processes on the way out
+    try:
+        figures = run_load(clients=args.clients, groups=args.groups, seconds=args.seconds)
+    except ValueError as exc:
+        raise SystemExit(f"timesliced: bench load: {exc}") from None
+    except RuntimeError as exc:
+        print(f"timesliced: bench load: {exc}", file=sys.stderr)
+        return 1
+    print_figures(figures, args.json)
+    return 1 if failed(figures) else 0
 
 
 def _size(n: float) -> str:

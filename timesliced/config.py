@@ -10,6 +10,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .core.scheduler import SlicePolicy
+
 GiB = 1 << 30
 SOCKET_ENV = "TIMESLICED_SOCKET"
 STATE_DIR_ENV = "TIMESLICED_STATE_DIR"
@@ -32,6 +34,37 @@ def parse_host_port(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"not HOST:PORT: {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+CRASH_AT_ENV = "TIMESLICED_CRASH_AT"
+CRASH_POINTS = (
+    "before-snapshot",
+    "mid-snapshot",
+    "after-snapshot",
+    "before-restore",
+    "mid-restore",
+    "after-restore",
+    "at-grant",
+)
+
+
+def parse_crash_points(text: str) -> frozenset[str]:
+    """``"before-snapshot,after-grant"`` -> the set; raises ``ValueError`` for an unknown point."""
+    points = frozenset(p.strip() for p in text.split(",") if p.strip())
+    unknown = sorted(points - set(CRASH_POINTS))
+    if unknown:
+        raise ValueError(f"unknown crash point(s) {unknown} in ${CRASH_AT_ENV} (known: {', '.join(CRASH_POINTS)})")
+    return points
+
+
+def parse_slice_policy(text: str, action: str = "warn", grace: float = 10.0) -> tuple[str, SlicePolicy]:
+    """``"300"`` (every group), ``"trainers=300"`` or ``"trainers=300:preempt"`` -> (group or "*", policy)."""
+    group, sep, rest = text.rpartition("=")
+    seconds, _, named = rest.partition(":")
+    try:
+        return (group if sep else "*"), SlicePolicy(float(seconds), named or action, grace)
+    except ValueError as exc:
+        raise ValueError(f"not a maximum slice: {text!r} ({exc}; examples: 300, trainers=300:preempt)") from None
 
 
 ADMIN_TOKEN_ENV = "TIMESLICED_ADMIN_TOKEN"
@@ -90,23 +123,47 @@ class ClusterConfig:
     heartbeat_interval: float = 0.25
 
 
-PEER_TOKEN_ENV = "TIMESLICED_PEER_TOKEN"
+TOKEN_ENV = "TIMESLICED_TOKEN"
+TOKEN_FILE_ENV = "TIMESLICED_TOKEN_FILE"
+PEER_TOKEN_ENV = "TIMESLICED_PEER_TOKEN"  # the older spelling of $TIMESLICED_TOKEN
+MIN_TOKEN_LENGTH = 16
+
+
+def read_token(path: Path | None = None, *, minimum: int = MIN_TOKEN_LENGTH) -> str | None:
+    """The deployment's shared token, or None where none is configured; raises ``ValueError``.
+
+    One token per deployment: peers prove it to each other and TCP clients to
+    their daemon. It comes from ``path`` (``--token-file``), else the file named
+    by ``$TIMESLICED_TOKEN_FILE``, else ``$TIMESLICED_TOKEN``, else
+    ``$TIMESLICED_PEER_TOKEN`` (the older spelling). An unreadable file, a
+    token shorter than ``minimum`` characters, or the two variables set to
+    different tokens raise ``ValueError``; the message never holds the token.
+    """
+    if path is None and (named := os.environ.get(TOKEN_FILE_ENV)):
+        path = Path(named)
+    if path is not None:
+        try:
+            token, where = path.read_text(), str(path)
+        except OSError as exc:
+            raise ValueError(f"cannot read the token file {path}: {exc.strerror}") from None
+    else:
+        current, older = os.environ.get(TOKEN_ENV), os.environ.get(PEER_TOKEN_ENV)
+        if current is not None and older is not None and current.strip() != older.strip():
+            raise ValueError(f"${TOKEN_ENV} and ${PEER_TOKEN_ENV} hold different tokens; set only ${TOKEN_ENV}")
+        if current is None and older is None:
+            return None
+        token, where = (current, f"${TOKEN_ENV}") if current is not None else (older or "", f"${PEER_TOKEN_ENV}")
+    token = token.strip()
+    if len(token) < minimum:
+        raise ValueError(f"the shared token in {where} must be at least {minimum} characters")
+    return token
 
 
 def read_peer_token(path: Path | None) -> str:
-    """The cluster's shared token from ``path`` or ``$TIMESLICED_PEER_TOKEN``; raises ``ValueError``."""
-    if path is None:
-        token = os.environ.get(PEER_TOKEN_ENV, "")
-        where = f"${PEER_TOKEN_ENV}"
-    else:
-        try:
-            token = path.read_text()
-        except OSError as exc:
-            raise ValueError(f"cannot read the peer token file {path}: {exc.strerror}") from None
-        where = str(path)
-    token = token.strip()
-    if len(token) < 16:
-        raise ValueError(f"a cluster needs a shared token of at least 16 characters in {where} (--peer-token-file)")
+    """The cluster's shared token (see ``read_token``); raises ``ValueError``, also when none is configured."""
+    token = read_token(path)
+    if token is None:
+        raise ValueError(f"a cluster needs a shared token: --token-file PATH or ${TOKEN_ENV}")
     return token
 
 
@@ -124,7 +181,8 @@ class DaemonConfig:
     sim_dir: Path | None = None  # None: default_sim_dir(state_dir)
     max_frame: int = 1 << 20
     max_connections: int = 4096
-    max_waiters: int = 1024
+    max_connections_per_client: int = 256  # from one process (Unix socket) or one host (TCP)
+    max_waiters: int = 1024  # jobs waiting in one group's queue
     handshake_timeout: float = 10.0  # a new connection must say hello within this
     stall_timeout: float = 10.0  # a half-received frame must complete within this
     op_timeout: float = 600.0  # a single snapshot / restore
@@ -137,10 +195,24 @@ class DaemonConfig:
     web: tuple[str, int] | None = None  # the dashboard, /metrics and /api/v1 (``serve`` turns it on by default)
     web_any_port: bool = False  # True: if the web address is taken, take a free port (and log it)
     admin_token: str | None = field(default=None, repr=False)  # dashboard admin actions; never logged
+    # The deployment's shared token: TCP clients must prove it (``listen`` needs one). None with a
+    # cluster: the cluster's token. Never logged, never sent.
+    token: str | None = field(default=None, repr=False)
     cluster: ClusterConfig | None = None  # None: a single daemon, its own leader
+    # group -> how long a holder may keep it while others wait ("*": every other group)
+    slice_policies: dict[str, SlicePolicy] = field(default_factory=dict)
+    lease: float = 30.0  # a client connection silent this long is closed (clients send heartbeats); 0: never
+    recovery_grace: float = 30.0  # after a restart, how long the jobs of the journal keep their turns
+    # Fault injection for crash tests: points at which the daemon kills itself with SIGKILL
+    # (CRASH_POINTS: before, in the middle of and after a snapshot or a restore; as a grant is made).
+    crash_at: frozenset[str] = field(default_factory=lambda: parse_crash_points(os.environ.get(CRASH_AT_ENV, "")))
 
     def resolved_socket(self) -> Path:
         return self.socket_path or default_socket_path(self.state_dir)
 
     def resolved_sim_dir(self) -> Path:
         return self.sim_dir or default_sim_dir(self.state_dir)
+
+    def shared_token(self) -> str | None:
+        """The token TCP clients prove: ``token``, else the cluster's (one token per deployment)."""
+        return self.token or (self.cluster.token if self.cluster is not None else None)

@@ -17,7 +17,7 @@
 4. One JSON object on stdout (see README.md); exit 0 when every backend ran
    with no data error, 1 otherwise.
 
-Everything is bounded: ``--deadline`` (default 215 s) covers the whole run.
+Everything is bounded: ``--deadline`` (default 185 s) covers the whole run.
 """
 
 from __future__ import annotations
@@ -272,7 +272,9 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 
 @contextlib.contextmanager
-def spawned(argv: list[str], out: Path, err: Path, grace: float = 10.0) -> Iterator[subprocess.Popen[bytes]]:
+def spawned(
+    argv: list[str], out: Path, err: Path, grace: float = 10.0, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """A child process with its output in files; terminated (killed after ``grace`` s) and reaped on the way out."""
     with out.open("wb") as stdout, err.open("wb") as stderr:
         proc = subprocess.Popen(
@@ -281,7 +283,7 @@ def spawned(argv: list[str], out: Path, err: Path, grace: float = 10.0) -> Itera
             stderr=stderr,
             stdin=subprocess.DEVNULL,
             cwd=REPO,
-            env=child_env(),
+            env={**child_env(), **(env or {})},
             start_new_session=True,
         )
     try:
@@ -306,8 +308,10 @@ def stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
 class BackendRun:
     """One backend's daemon, its two jobs and what was seen of them."""
 
-    def __init__(self, backend: str, workdir: Path, progress: Progress) -> None:
+    def __init__(self, backend: str, workdir: Path, progress: Progress, crash_at: str | None = None) -> None:
         self.backend = backend
+        self.crash_at = crash_at
+        self.restarts = 0
         self.workdir = workdir
         self.socket = workdir / "s.sock"
         self.progress = progress
@@ -374,7 +378,9 @@ class BackendRun:
             "off",
         ]
         log = self.workdir / "daemon.log"
-        with spawned(daemon_argv, self.workdir / "daemon.out", log) as daemon:
+        crash = {"TIMESLICED_CRASH_AT": self.crash_at} if self.crash_at else None
+        with contextlib.ExitStack() as daemons:
+            daemon = daemons.enter_context(spawned(daemon_argv, self.workdir / "daemon.out", log, env=crash))
             try:
                 self.wait_ready(daemon, min(30.0, timeout))
             except RuntimeError as exc:
@@ -399,6 +405,11 @@ class BackendRun:
                         self.errors.append(f"timed out after {timeout:.0f}s; the jobs were killed")
                         break
                     if daemon.poll() is not None:
+                        if self.crash_at and daemon.returncode == -signal.SIGKILL and not self.restarts:
+                            restarted = self.restart(daemons, daemon_argv)
+                            if restarted is not None:
+                                daemon = restarted
+                                continue
                         self.errors.append(f"the daemon exited with status {daemon.returncode} during the run")
                         break
                     with contextlib.suppress(Exception):
@@ -412,6 +423,21 @@ class BackendRun:
         if self.errors or any(not r.get("ok") for r in reports.values()):
             self.notes.append("daemon log tail:\n" + tail(log))
         return self.result(reports, rounds, started)
+
+    def restart(self, daemons: contextlib.ExitStack, argv: list[str]) -> subprocess.Popen[bytes] | None:
+        """The daemon killed itself at the crash point: start a new one on the same state dir (None: it failed)."""
+        self.restarts += 1
+        self.notes.append(f"the daemon was killed with SIGKILL at {self.crash_at} and started again")
+        self.progress(f"{self.backend}: daemon killed at {self.crash_at}; starting it again")
+        n = self.restarts + 1
+        out, log = self.workdir / f"daemon-{n}.out", self.workdir / f"daemon-{n}.log"
+        daemon = daemons.enter_context(spawned(argv, out, log))
+        try:
+            self.wait_ready(daemon, 30.0)
+        except RuntimeError as exc:
+            self.errors.append(f"the restarted daemon: {exc}")
+            return None
+        return daemon
 
     def workload_argv(self, job: str, gib: float, rounds: int, torch: str) -> list[str]:
         return [
@@ -453,7 +479,9 @@ class BackendRun:
         return report
 
     def result(self, reports: dict[str, dict[str, Any]], rounds: int, started: float) -> dict[str, Any]:
-        return summarize(
+        if self.crash_at and not self.restarts:
+            self.errors.append(f"the daemon never reached the crash point {self.crash_at}")
+        report = summarize(
             self.backend,
             reports,
             sorted(self.moves.values(), key=lambda m: float(m["at"])),
@@ -464,6 +492,9 @@ class BackendRun:
             missed=sum(self.move_totals.values()) - len(self.moves),
             seconds=time.monotonic() - started,
         )
+        if self.crash_at:
+            report.update(crash_at=self.crash_at, restarts=self.restarts)
+        return report
 
 
 def run_backend(
@@ -475,14 +506,20 @@ def run_backend(
     timeout: float = 100.0,
     keep: bool = False,
     progress: Progress = _quiet,
+    crash_at: str | None = None,
 ) -> dict[str, Any]:
-    """Run ``backend`` with two jobs of ``gib`` GiB taking ``rounds`` turns each; its report (see README.md)."""
+    """Run ``backend`` with two jobs of ``gib`` GiB taking ``rounds`` turns each; its report (see README.md).
+
+    ``crash_at`` (a point of ``$TIMESLICED_CRASH_AT``): the daemon kills itself with SIGKILL there once,
+    and a new one is started on the same state dir; the jobs must reconnect and lose nothing.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     workload.bootstrap()
     workdir = Path(tempfile.mkdtemp(prefix=f"tsgpu-{backend}-"))
     try:
-        result = BackendRun(backend, workdir, progress).run(gib=gib, rounds=rounds, torch=torch, timeout=timeout)
+        run = BackendRun(backend, workdir, progress, crash_at)
+        result = run.run(gib=gib, rounds=rounds, torch=torch, timeout=timeout)
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -619,9 +656,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=10, help="turns each job takes, each verified (default 10)")
     p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated (default {','.join(BACKENDS)})")
     p.add_argument("--torch", choices=["auto", "on", "off"], default="auto", help="a torch tensor in each job")
-    p.add_argument("--deadline", type=float, default=215.0, help="seconds for the whole check (default 215)")
+    p.add_argument("--deadline", type=float, default=185.0, help="seconds for the whole check (default 185)")
     p.add_argument("--backend-timeout", type=float, default=120.0, help="seconds per backend at most")
     p.add_argument("--keep", action="store_true", help="keep the daemon and job logs (their folder is reported)")
+    p.add_argument(
+        "--crash-at",
+        default=None,
+        metavar="POINT",
+        help="the daemon kills itself with SIGKILL at this step of a switch once (e.g. before-restore) and is "
+        "started again; the jobs must lose nothing",
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON object, on one line")
     return p
 
@@ -691,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeout=budget,
                 keep=args.keep,
                 progress=progress,
+                crash_at=args.crash_at,
             )
             if result["ceiling"]:
                 against_ceiling(report, result["ceiling"])

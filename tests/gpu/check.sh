@@ -19,11 +19,11 @@ fi
 # 1. Quick checks (well under a minute); without a GPU every one is skipped, with the reason.
 tests=0
 # (the two-job runs are left to check.py, which does them in full)
-timeout --kill-after=5 60 "$python" -m pytest tests/gpu -q -rs -m gpu -p no:cacheprovider -k "not two_jobs" || tests=$?
+timeout --kill-after=5 100 "$python" -m pytest tests/gpu -q -rs -m gpu -p no:cacheprovider -k "not two_jobs" || tests=$?
 
-# 2. The measured run; its own deadline (215 s) keeps it inside this timeout.
+# 2. The measured run; its own deadline (185 s) keeps it inside this timeout.
 check=0
-timeout --kill-after=5 230 "$python" tests/gpu/check.py "$@" || check=$?
+timeout --kill-after=5 200 "$python" tests/gpu/check.py "$@" || check=$?
 
 if [ "$check" -ne 0 ]; then
     exit "$check"

@@ -140,3 +140,14 @@ def test_two_jobs_take_turns_without_losing_a_byte(backend: str) -> None:
     assert result["rounds_done"] == 2, summary
     assert result["restores"] >= 2, summary
     assert result["d2h"]["moves"] >= 1 and result["h2d"]["moves"] >= 1, summary
+
+
+def test_kill_9_of_the_daemon_mid_switch_loses_no_byte() -> None:
+    """cuda-checkpoint: the daemon dies with one job checkpointed and the other about to be restored."""
+    result = check.run_backend(
+        "cuda-checkpoint", gib=0.25, rounds=3, torch="off", timeout=50, crash_at="before-restore"
+    )
+    summary = json.dumps(result, indent=2)
+    assert result["ok"], summary
+    assert result["restarts"] == 1 and result["data_errors"] == 0, summary
+    assert result["rounds_done"] == 3, summary

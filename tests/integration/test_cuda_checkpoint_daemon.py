@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from timesliced import errors
 from timesliced.backends.base import DeviceInfo
 from timesliced.backends.cuda_checkpoint import CudaCheckpointBackend
 from timesliced.backends.offload import Direct, OffloadBackend
+from timesliced.config import DaemonConfig
 from timesliced.node.embedded import EmbeddedDaemon
 from timesliced.node.parking import Parking
 
@@ -127,3 +129,26 @@ def test_a_lock_that_times_out_faults_the_job_and_leaves_it_running(node: Node) 
         reason = status_of(a, "b")["faulted"]
         assert "cuCheckpointProcessLock" in reason and str(pb) in reason and "timed out" in reason
         assert node.driver.state(pb) == RUNNING
+
+
+def test_a_restarted_daemon_takes_up_checkpointed_and_running_jobs(node: Node, tmp_path: Path) -> None:
+    pa, pb = node.process(6), node.process(6)
+    config = DaemonConfig(state_dir=tmp_path / "state", backend="cuda-checkpoint", gpus=1)
+    d = EmbeddedDaemon(config, parking=node.parking).start()
+    a, b = job(d, "a", pa), job(d, "b", pb)
+    try:
+        a.acquire()  # b is checkpointed to make room
+        assert node.driver.state(pb) == CHECKPOINTED
+        d.stop()
+        d = EmbeddedDaemon(config, parking=node.parking).start()  # a new backend: it knows nothing yet
+        a.release()  # a's client reconnected and got its lock back first
+        assert a.reconnects == 1
+        jobs = {j["job"]: j["location"] for j in a.status()["jobs"]}
+        assert jobs == {"a": "resident", "b": "parked"}  # as the driver says
+        grant = b.acquire(timeout=10)
+        assert grant.restored and node.driver.state(pb) == RUNNING and node.driver.state(pa) == CHECKPOINTED
+        assert node.memory.held(pb) == {0: 6 * GiB}
+    finally:
+        a.close()
+        b.close()
+        d.stop()

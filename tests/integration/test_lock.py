@@ -15,7 +15,7 @@ import timesliced
 from timesliced import errors
 from timesliced.node.embedded import EmbeddedDaemon
 
-from ..conftest import wait_for
+from ..conftest import TOKEN, wait_for
 
 
 def client(daemon: EmbeddedDaemon, job: str, group: str = "g", **kw: object) -> timesliced.Client:
@@ -187,7 +187,7 @@ def test_registration_errors(daemon: EmbeddedDaemon) -> None:
 def test_tcp_clients(daemon: EmbeddedDaemon) -> None:
     assert daemon.daemon is not None and daemon.daemon.tcp_address is not None
     host, port = daemon.daemon.tcp_address
-    with timesliced.Client(job="remote", group="g", address=f"{host}:{port}") as c:
+    with timesliced.Client(job="remote", group="g", address=f"{host}:{port}", token=TOKEN) as c:
         assert c.acquire().fence == 1
         c.release()
 
@@ -200,8 +200,8 @@ def test_unreachable_daemon_is_connection_lost(tmp_path: object) -> None:
 def test_daemon_stop_fails_waiters_with_connection_lost(tmp_path: object) -> None:
     embedded = EmbeddedDaemon(gpus=1, gpu_memory=8 << 20)
     embedded.start()
-    a = client(embedded, "a")
-    b = client(embedded, "b")
+    a = client(embedded, "a", reconnect=0)  # clients that do not wait for a restarted daemon
+    b = client(embedded, "b", reconnect=0)
     a.acquire()
     errs: list[BaseException] = []
 
@@ -241,7 +241,7 @@ def test_register_refuses_pids_that_are_not_processes(
 
 
 def test_pids_of_another_user_are_refused() -> None:
-    from timesliced.node.daemon import checked_pids
+    from timesliced.node.authz import checked_pids
     from timesliced.node.server import Peer
 
     me = os.getpid()

@@ -184,7 +184,7 @@ def test_sim_memory_is_only_for_sim_jobs(daemon: EmbeddedDaemon) -> None:
 
 
 WORKLOAD = """
-import hashlib, json, os, sys, timesliced
+import hashlib, json, os, sys, time, timesliced
 from timesliced.backends.base import ParkSpec
 from timesliced.client.device_memory import HostDeviceMemory
 from timesliced.client.offload import Offloader
@@ -199,6 +199,8 @@ pointers = (base.ptr, lora.ptr)
 client = timesliced.Client(job=job, group="g", address=address, park=ParkSpec("offload", tags=tags), offloader=off)
 expected, data_errors, restored = {}, 0, 0
 with client:
+    while sum(j["group"] == "g" for j in client.status()["jobs"]) < 2:
+        time.sleep(0.01)  # both jobs take part from the first turn, however slowly the other one starts
     for step in range(rounds):
         with client.slice() as grant:
             restored += grant.restored
@@ -284,3 +286,22 @@ def test_a_rank_that_disconnects_mid_park_gets_the_others_undone(daemon: Embedde
         wait_for(lambda: [c[0] for c in r1.calls] == ["park", "unpark"])  # rank 1 was brought back
         assert r1.resident
         assert "connection closed" in job_status(a1, "a")["faulted"]
+
+
+def test_an_offloaded_job_is_restored_after_a_daemon_restart(daemon: EmbeddedDaemon) -> None:
+    ra, rb = Recorder(), Recorder()
+    a, b = offload_client(daemon, "a", ra), offload_client(daemon, "b", rb)
+    a.acquire()  # b is parked: its bytes are in its own process, which outlives the daemon
+    assert not rb.resident
+    daemon.stop()
+    restarted = EmbeddedDaemon(daemon.config).start()
+    try:
+        a.release()  # a reconnected, got its lock back first (nothing moved), and yields
+        assert ra.calls == [] and a.reconnects == 1
+        grant = b.acquire(timeout=10)  # the journal said b is parked: it is unparked over its new connection
+        assert grant.restored and rb.resident and bytes(rb.device or b"")[:256] == bytes(range(256))
+        assert rb.calls[-1] == ("unpark", ("weights",), False) and not ra.resident
+    finally:
+        a.close()
+        b.close()
+        restarted.stop()

@@ -339,3 +339,38 @@ def test_a_leader_that_takes_stock_again_keeps_its_figures() -> None:
     new.scheduler.carry_figures(old.scheduler)
     g = new.scheduler.groups["g"]
     assert (g.grants, g.fence, g.held_total_s, new.scheduler.jobs["A"].slices) == (3, 3, 3.0, 3)
+
+
+# --- durability: a restarted node takes its jobs up again -----------------------------------
+
+
+def test_a_restarted_node_keeps_the_holders_turn_first_then_the_queue_order() -> None:
+    old = ClusterNode("solo", ("solo",), {0: 100}, rng=random.Random(1))
+    old.start(0.0)
+    for conn, name in ((1, "A"), (2, "B"), (3, "C")):
+        old.request(conn, 1, "register", {"job": name, "group": "g", "gpus": None, "pids": [100 + conn]}, 0.1)
+    for conn in (1, 3, 2):  # A is granted, then C and B wait, in that order
+        old.request(conn, 2, "acquire", {"timeout": None}, 0.2)
+    picture = old.durable(0.3)
+    assert picture["turns"] == {"A": -1, "C": 2, "B": 3}  # the holder, then the order the leader queued them
+    assert {j["job"]: j["pids"] for j in picture["jobs"]} == {"A": [101], "B": [102], "C": [103]}
+
+    new = ClusterNode("solo", ("solo",), {0: 100}, rng=random.Random(2))
+    new.restore(picture, 10.0, keep_turns_for=30.0)
+    new.start(10.0)
+    sched = new.scheduler
+    assert sched is not None and [w.job for w in sched.groups["g"].queue] == ["A", "C", "B"]
+    assert sched.groups["g"].fence >= 1  # new grants go above the ones given before the restart
+    # B comes back first, but A's kept turn holds the group until A asks again.
+    new.request(7, 1, "register", {"job": "B", "group": "g", "gpus": None, "pids": [102]}, 11.0)
+    new.request(7, 2, "acquire", {"timeout": None}, 11.0)
+    assert not [e for e in new.drain() if isinstance(e, Reply) and e.rid == 2]
+    new.request(8, 1, "register", {"job": "A", "group": "g", "gpus": None, "pids": [101]}, 12.0)
+    new.request(8, 2, "acquire", {"timeout": None}, 12.0)
+    (grant,) = [e for e in new.drain() if isinstance(e, Reply) and e.rid == 2]
+    assert grant.conn == 8 and grant.result["job"] == "A"
+    # C never comes back: its turn lapses, and B is next once A yields.
+    new.request(8, 3, "release", {}, 13.0)
+    new.handle_timers(40.0)
+    (grant,) = [e for e in new.drain() if isinstance(e, Reply) and e.rid == 2]
+    assert grant.conn == 7 and grant.result["job"] == "B"

@@ -729,3 +729,40 @@ def test_threads_are_named_for_the_backend(node: Node) -> None:
     node.run(node.backend.snapshot(job(100)))
     assert all(c.thread.startswith("cuda-checkpoint") for c in node.fake.calls)
     assert threading.current_thread().name not in {c.thread for c in node.fake.calls}
+
+
+# --- after a daemon restart ----------------------------------------------------------------
+
+
+def test_take_up_finds_a_parked_job_and_can_restore_it(node: Node, make_node: Callable[..., Node]) -> None:
+    node.run(node.backend.snapshot(job(100)))
+    record = node.backend.parked("a")
+    fresh = make_node(fake=node.fake)  # a restarted daemon's backend: it knows nothing
+    assert fresh.run(fresh.backend.take_up(job(100), record)) == "parked"
+    assert fresh.backend.parked("a") == record
+    fresh.run(fresh.backend.restore(job(100)))
+    assert node.states(100, 101, 102) == [RUNNING] * 3
+
+
+def test_take_up_without_a_record_still_restores_every_checkpointed_process(
+    node: Node, make_node: Callable[..., Node]
+) -> None:
+    node.run(node.backend.snapshot(job(100)))
+    fresh = make_node(fake=node.fake)
+    assert fresh.run(fresh.backend.take_up(job(100), None)) == "parked"
+    fresh.run(fresh.backend.restore(job(100)))
+    assert node.states(100, 101, 102) == [RUNNING] * 3
+
+
+def test_take_up_undoes_a_snapshot_cut_short(node: Node) -> None:
+    # The daemon died with one process locked and one checkpointed: both go back to running.
+    assert node.fake.lock(101, 1000) == R.CUDA_SUCCESS
+    assert (node.fake.lock(102, 1000), node.fake.checkpoint(102)) == (R.CUDA_SUCCESS, R.CUDA_SUCCESS)
+    assert node.run(node.backend.take_up(job(100), None)) == "resident"
+    assert node.states(100, 101, 102) == [RUNNING] * 3
+    assert node.memory.held(102) == {0: 1 * GiB, 1: 3 * GiB}
+
+
+def test_take_up_of_running_processes_touches_nothing(node: Node) -> None:
+    assert node.run(node.backend.take_up(job(100), None)) == "resident"
+    assert {c.op for c in node.fake.calls} == {"get_state"}  # asked, nothing moved

@@ -22,6 +22,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from timesliced import errors
 from timesliced.dashboard import (
     HUB,
+    admin,
     dumps,
     fmt_bytes,
     fmt_duration,
@@ -35,6 +36,12 @@ from timesliced.dashboard import (
 MiB = 1 << 20
 TOKEN = "tok-0123456789abcdef"
 NOW = 1_700_000_000.0
+
+
+@pytest.fixture(autouse=True)
+def no_wrong_token_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests try many wrong admin tokens; the delay each costs is tested in tests/unit/test_authz.py."""
+    monkeypatch.setattr(admin, "WRONG_TOKEN_DELAY_S", 0.0)
 
 
 def sample_status() -> dict[str, Any]:

@@ -10,6 +10,8 @@ answered) and, after every step, the core must agree with it:
   out or its session closed;
 - new grants go to the head of the modelled queue (FIFO) and their fences
   strictly increase per group; ``again`` grants repeat the holder's fence;
+- a holder past its maximum slice is warned, and in a ``preempt`` group it
+  loses the lock and is queued again at the tail (its automatic request);
 - the core's queues and holders equal the model's;
 - no GPU is ever over capacity;
 - an input that raises changes nothing and emits nothing.
@@ -55,7 +57,7 @@ from timesliced.core.events import (
     SnapshotJob,
     Ticket,
 )
-from timesliced.core.scheduler import Location, Scheduler
+from timesliced.core.scheduler import AUTO, Location, Scheduler, SlicePolicy
 
 from .conftest import core_state
 
@@ -64,12 +66,13 @@ GROUPS = {"g0": (0, 1), "g1": (1, 2), "g2": (0,)}  # g0 shares GPU 0 with g2 and
 JOBS = {"a": "g0", "b": "g0", "c": "g0", "j": "g0", "d": "g1", "e": "g1", "f": "g2", "h": "g2", "i": "g2"}
 EXCLUSIVE = {"c", "e", "h"}  # parked whole like real processes; the rest account their memory
 MAX_WAITERS = 2  # g0 has four jobs: one holds, two wait, the fourth is refused
+POLICIES = {"g0": SlicePolicy(1.0, "preempt", grace=0.5), "g1": SlicePolicy(3.0, "warn")}  # g2 has none
 
 
 class Run:
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
-        self.s = Scheduler(CAPACITIES, max_waiters=MAX_WAITERS)
+        self.s = Scheduler(CAPACITIES, max_waiters=MAX_WAITERS, policies=POLICIES)
         self.now = 0.0
         self.next_sid = 1
         self.next_rid = 1
@@ -253,6 +256,9 @@ class Run:
             holder[1].discard(sid)
             if not holder[1]:
                 del self.holders[group]
+        elif (sid, AUTO) in self.waiting.get(job, {}):  # preempted: it gives up its turn
+            assert self.feed(ReleaseRequested(sid))["preempted"] is True
+            self.leave_queue(job, (sid, AUTO))
         else:
             self.feed(ReleaseRequested(sid), errors.NotHolder)
 
@@ -375,6 +381,8 @@ class Run:
     # --- checking ----------------------------------------------------------------------
 
     def answer(self, ticket: Ticket) -> None:
+        if ticket[1] == AUTO:  # the scheduler's own request for a preempted job: one per preemption
+            return
         assert ticket not in self.answered, f"ticket {ticket} answered twice"
         assert ticket not in self.dead, f"ticket {ticket} answered after its session closed"
         self.answered.add(ticket)
@@ -414,6 +422,17 @@ class Run:
                 assert e.op not in self.moves and e.op not in self.reclaims
                 assert e.job not in self.reclaims.values(), f"{e.job} reclaimed twice"
                 self.reclaims[e.op] = e.job
+            elif isinstance(e, NotifyJob) and e.event in ("slice_overdue", "preempted"):
+                group = str(e.data["group"])
+                holder = self.holders.get(group)
+                assert holder is not None and holder[0] == e.job, (e, holder)
+                policy = POLICIES[group]
+                assert float(e.data["held_s"]) >= policy.max_slice, e  # type: ignore[arg-type]
+                if e.event == "preempted":
+                    assert policy.action == "preempt", e
+                    del self.holders[group]
+                    self.queues.setdefault(group, []).append(e.job)
+                    self.waiting[e.job] = {(sid, AUTO): None for sid in sorted(holder[1])}
             else:
                 assert isinstance(e, NotifyJob) and e.event in ("faulted", "lock_lost"), e
 

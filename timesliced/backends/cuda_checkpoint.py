@@ -374,6 +374,28 @@ class CudaCheckpointBackend:
             int(pid): {int(gpu): int(n) for gpu, n in per_gpu.items()} for pid, per_gpu in record.items()
         }
 
+    async def take_up(self, job: JobTarget, record: Footprints | None) -> str:
+        """After a daemon restart: ``"parked"`` or ``"resident"``, finishing a move that was cut short.
+
+        Every CUDA process of the job checkpointed: parked (``record``, what :meth:`parked` gave
+        out before, is adopted; without it the footprints are unknown). All running: resident.
+        Anything else (a lock or a checkpoint of some processes only) is driven back to running;
+        raises :class:`~timesliced.errors.BackendError` when that fails.
+        """
+        family = set(job.pids) | await self._in_thread(job.name, self._descendants, job.pids)
+        states = await self.states(family)
+        if states and set(states.values()) == {"checkpointed"}:
+            self.adopt(job.name, record or {pid: {} for pid in states})
+            return "parked"
+        if set(states.values()) <= {"running"}:
+            return "resident"
+        with self._operation(job.name):
+            outcomes = await self._each(job.name, sorted(states), self._settle, _TO_RUNNING)
+        failed = [o for o in outcomes if not o.ok and self._alive(o.pid)]
+        if failed:
+            raise self._failure(job, "taking the job up after a restart", failed, [], "in mixed states")
+        return "resident"
+
     # --- work in the worker threads --------------------------------------------------------
 
     def _discover(self, pids: tuple[int, ...]) -> Footprints:

@@ -50,6 +50,7 @@ import re
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -404,6 +405,9 @@ class SimRegion:
         self._ctl: _Mapping | None = ctl
         self._placement: _Placement | None = None
         self._job = job
+        # While this returns True (its job was preempted and waits to be granted again), an
+        # access to the parked region waits for the region to be back instead of raising.
+        self.hold: Callable[[], bool] | None = None
 
     @classmethod
     def open(cls, info: RegionInfo) -> SimRegion:
@@ -501,7 +505,18 @@ class SimRegion:
         return self._arena, self._ctl
 
     def _begin(self) -> tuple[_Mapping, _Placement]:
-        """Where the region is now; raises unless the job is resident and the region exists."""
+        """Where the region is now; raises unless the job is resident (or held: see ``hold``)."""
+        delay = 0.0005
+        while True:
+            try:
+                return self._begin_once()
+            except errors.NotResident:
+                if self.hold is None or not self.hold():
+                    raise
+            time.sleep(delay)
+            delay = min(2 * delay, 0.02)
+
+    def _begin_once(self) -> tuple[_Mapping, _Placement]:
         arena, ctl = self._mappings()
         gen = _gen(ctl.mm)
         place = self._placement
@@ -529,7 +544,7 @@ class SimRegion:
         _, ctl = self._mappings()
         if _gen(ctl.mm) == before.gen:
             return
-        _, now = self._begin()
+        _, now = self._begin_once()
         if now.epoch != before.epoch:
             raise errors.NotResident(
                 f"region {self.region} of job {self._job!r} was moved while being accessed; "

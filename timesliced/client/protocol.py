@@ -7,6 +7,7 @@ wait.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -15,9 +16,12 @@ from typing import Any
 
 from .. import errors
 from ..backends.base import METHODS, ParkSpec
-from ..config import default_socket_path, parse_host_port
+from ..config import TOKEN_ENV, default_socket_path, parse_host_port, read_token
+from ..node.authz import client_proof
 from ..wire.codec import DEFAULT_MAX_FRAME, FrameDecoder, encode
 from ..wire.messages import PROTOCOL_VERSION, Push, Reply, Request, parse_incoming
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,17 +78,28 @@ def resolve_address(address: str | os.PathLike[str] | None) -> Address:
 
 
 class ClientProtocol:
-    """Request numbering and frame decoding for one connection."""
+    """Request numbering and frame decoding for one client.
+
+    Request ids keep growing across connections (``new_connection``), so a request
+    re-sent after a reconnection keeps its id and its waiter.
+    """
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self._decoder = FrameDecoder(max_frame)
         self._max_frame = max_frame
         self._next_id = 1
 
+    def new_connection(self) -> None:
+        """Start decoding a new connection's stream."""
+        self._decoder = FrameDecoder(self._max_frame)
+
     def request(self, op: str, args: dict[str, Any] | None = None) -> tuple[int, bytes]:
         rid = self._next_id
         self._next_id += 1
-        return rid, encode(Request(rid, op, args or {}).to_wire(), self._max_frame)
+        return rid, self.frame(rid, op, args)
+
+    def frame(self, rid: int, op: str, args: dict[str, Any] | None = None) -> bytes:
+        return encode(Request(rid, op, args or {}).to_wire(), self._max_frame)
 
     def receive(self, data: bytes) -> list[Reply | Push]:
         """Decode ``data``; raises ``ProtocolError`` if the daemon broke the protocol.
@@ -100,8 +115,67 @@ class ClientProtocol:
         return out
 
 
+@dataclass
+class LockState:
+    """What a client knows of its hold on the lock, from its own calls and the daemon's pushes."""
+
+    job: str
+    holding: bool = False  # granted and not released: a reconnection asks for the lock back first
+    preempted: str | None = None  # why, while it waits to be granted again after a preemption
+    faulted: str | None = None
+
+    def on_push(self, event: str, data: dict[str, Any]) -> None:
+        if event == "faulted":
+            self.faulted = str(data.get("reason", "faulted"))
+        elif event == "preempted":
+            self.preempted = str(data.get("reason", "preempted"))
+            log.warning("job %r: %s", self.job, self.preempted)
+        elif event == "granted":
+            self.preempted = None
+        elif event == "lock_lost":
+            self.holding, self.preempted = False, None
+        elif event == "slice_overdue":
+            log.warning("job %r: %s", self.job, data.get("reason", "its slice is over"))
+
+    def granted(self) -> None:
+        self.holding = True
+
+    def released(self) -> None:
+        self.holding, self.preempted = False, None
+
+
+def lease_of(hello: dict[str, Any]) -> float | None:
+    """The heartbeat lease the daemon announced in its hello, if any."""
+    lease = hello.get("lease_s")
+    return float(lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) and lease > 0 else None
+
+
 def hello_args() -> dict[str, Any]:
     return {"version": PROTOCOL_VERSION, "role": "client", "pid": os.getpid(), "program": Path(sys.argv[0]).name}
+
+
+def auth_args(hello: Any, token: str | None) -> dict[str, Any] | None:
+    """The args of the ``auth`` request that answers the daemon's ``hello`` reply; None if it set no challenge.
+
+    Over TCP the daemon challenges every connection; the proof is made with
+    ``token``, else the token of ``$TIMESLICED_TOKEN_FILE`` / ``$TIMESLICED_TOKEN``
+    (read only when asked for). Raises ``PermissionDenied`` when there is none,
+    before anything is sent, and ``ProtocolError`` for a malformed challenge.
+    """
+    challenge = hello.get("challenge") if isinstance(hello, dict) else None
+    if challenge is None:
+        return None
+    if token is None:
+        try:
+            token = read_token()
+        except ValueError as exc:
+            raise errors.PermissionDenied(f"the daemon asks for the shared token: {exc}") from None
+    if not token:
+        raise errors.PermissionDenied(f"the daemon asks for the shared token over TCP: pass token= or set ${TOKEN_ENV}")
+    try:
+        return {"proof": client_proof(token, str(challenge))}
+    except ValueError:
+        raise errors.ProtocolError("the daemon sent a malformed challenge") from None
 
 
 def register_args(

@@ -21,8 +21,11 @@ from .protocol import (
     Address,
     ClientProtocol,
     Grant,
+    LockState,
     acquire_args,
+    auth_args,
     hello_args,
+    lease_of,
     register_args,
     resolve_address,
     result_of,
@@ -42,8 +45,22 @@ class Client:
     and then serves ``acquire`` / ``release`` / ``slice()``. All methods may be
     called from any thread; threads of one client share its hold on the lock.
 
-    Raises ``ConnectionLost`` when the daemon cannot be reached or goes away,
-    and the typed errors of ``timesliced.errors`` for refusals.
+    Over TCP the daemon asks for its shared token: ``token``, else
+    ``$TIMESLICED_TOKEN_FILE`` or ``$TIMESLICED_TOKEN`` (``PermissionDenied``
+    without one, or with a wrong one).
+
+    When the daemon goes away (a restart, a crash), the client connects again
+    for up to ``reconnect`` seconds, registers the job again and re-sends what
+    was waiting; a job that held the lock asks for it first, and the restarted
+    daemon keeps its turn. It sends a heartbeat every third of the daemon's lease,
+    so a daemon can tell a quiet client from a dead one.
+
+    ``parked_access``: what a simulated region access does while the job is
+    preempted (parked by the daemon after its maximum slice, queued again):
+    ``"wait"`` until the lock is granted back, or ``"raise"`` ``NotResident``.
+
+    Raises ``ConnectionLost`` when the daemon cannot be reached or does not come
+    back, and the typed errors of ``timesliced.errors`` for refusals.
     """
 
     def __init__(
@@ -59,18 +76,32 @@ class Client:
         on_push: Callable[[str, dict[str, Any]], None] | None = None,
         park: str | ParkSpec | None = None,
         offloader: OffloadExecutor | None = None,
+        token: str | None = None,
+        reconnect: float = 60.0,
+        parked_access: str = "wait",
     ) -> None:
+        if parked_access not in ("wait", "raise"):
+            raise ValueError("parked_access must be 'wait' or 'raise'")
         self.job = job
         self.group = group
         self.address = resolve_address(address)
         self._register = register_args(job, group, gpus, pids, park)
         self.offloader = offloader
+        self._token = token  # over TCP; None: $TIMESLICED_TOKEN_FILE or $TIMESLICED_TOKEN when asked
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.on_push = on_push
+        self.reconnect = reconnect
+        self.parked_access = parked_access
         self.session: int | None = None
         self.gpus: list[int] = []
-        self.faulted: str | None = None
+        self.lock = LockState(job)
+        self.reconnects = 0
+        self._lease: float | None = None  # the daemon's, from its hello
+        self._ready = threading.Event()  # connected and registered: requests may go out
+        self._closing = False
+        self._reached = False  # the last connection attempt reached a daemon
+        self._requests: dict[int, tuple[str, dict[str, Any] | None]] = {}  # pending rid -> what to re-send
         self._lock = threading.Lock()  # guards the socket's send side, _pending and _proto ids
         self._connect_lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -85,33 +116,83 @@ class Client:
     # --- connection ------------------------------------------------------------------
 
     def connect(self) -> None:
-        """Connect, say hello and register the job (idempotent)."""
+        """Connect, say hello and register the job (idempotent).
+
+        Raises ``ConnectionLost`` at once if there is no daemon. A daemon that is
+        restarting (its socket is there but refuses connections after a crash, or it
+        goes away during the handshake) is waited for like a reconnection.
+        """
+        deadline = time.monotonic() + self.reconnect
+        delay = 0.05
+        reached = False
+        while True:
+            try:
+                self._connect_once()
+                return
+            except errors.ConnectionLost:
+                reached |= self.session is not None or self._reached or self._socket_left()
+                if not reached or time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
+
+    def _socket_left(self) -> bool:
+        """A daemon that was killed leaves its socket file behind; one that stopped removes it."""
+        return self.address.kind == "unix" and os.path.exists(self.address.path)
+
+    def _connect_once(self) -> None:
+        self._reached = False
         with self._connect_lock:
             if self._sock is not None:
                 if self._lost is not None:
                     raise self._lost
                 return
             sock = open_socket(self.address, self.connect_timeout)
+            self._reached = True
             sock.settimeout(None)
             self._sock = sock
             self._lost = None
+            self._closing = False
             if self._directives is None:
                 self._directives = directive_worker(self.job)
             self._proto = ClientProtocol()
             self._reader = threading.Thread(target=self._read_loop, name=f"timesliced-{self.job}", daemon=True)
             self._reader.start()
         try:
-            self._call("hello", hello_args())
-            reg = self._call("register", self._register)
+            self._handshake()
         except BaseException:
             self.close()
             raise
+        self._ready.set()
+        if self._lease:
+            name = f"timesliced-heartbeat-{self.job}"
+            threading.Thread(target=self._heartbeat, args=(sock,), name=name, daemon=True).start()
+
+    def _handshake(self) -> None:
+        """Hello, the token proof over TCP, and the job's registration, on a new connection."""
+        hello = self._call("hello", hello_args(), ready=False)
+        if (auth := auth_args(hello, self._token)) is not None:
+            self._call("auth", auth, ready=False)
+        reg = self._call("register", self._register, ready=False)
         self.session = reg["session"]
         self.gpus = list(reg["gpus"])
+        self._lease = lease_of(hello)
+
+    @property
+    def faulted(self) -> str | None:
+        """Why the job is faulted (its state could not be moved), or None."""
+        return self.lock.faulted
+
+    @property
+    def preempted(self) -> str | None:
+        """Why, while the job waits to be granted again after the daemon preempted it; else None."""
+        return self.lock.preempted
 
     def close(self) -> None:
         """Close the connection; a held lock is released by the daemon."""
         with self._connect_lock:
+            self._closing = True
+            self._ready.clear()
             sock, self._sock = self._sock, None
         if sock is None:
             return
@@ -152,11 +233,14 @@ class Client:
         except BaseException:  # KeyboardInterrupt, ConnectionLost: never leave a ghost waiter
             self._abandon(rid)
             raise
-        return Grant.from_wire(result_of(reply))
+        grant = Grant.from_wire(result_of(reply))
+        self.lock.granted()
+        return grant
 
     def release(self) -> dict[str, Any]:
         """Yield the lock (``yield`` is a keyword). Raises ``NotHolder`` if not held."""
         result: dict[str, Any] = self._call("release")
+        self.lock.released()
         return result
 
     @contextmanager
@@ -198,7 +282,10 @@ class Client:
 
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError("nbytes must be a positive integer")
-        return SimRegion.open(RegionInfo.from_wire(self._call("sim_alloc", {"nbytes": nbytes, "gpu": gpu})))
+        region = SimRegion.open(RegionInfo.from_wire(self._call("sim_alloc", {"nbytes": nbytes, "gpu": gpu})))
+        if self.parked_access == "wait":
+            region.hold = lambda: self.lock.preempted is not None
+        return region
 
     def sim_free(self, region: Any) -> None:
         rid = region if isinstance(region, int) else region.region
@@ -221,10 +308,11 @@ class Client:
         if self._sock is None:
             self.connect()
 
-    def _call(self, op: str, args: dict[str, Any] | None = None) -> Any:
-        if op not in ("hello", "register"):
+    def _call(self, op: str, args: dict[str, Any] | None = None, *, ready: bool = True) -> Any:
+        """``ready=False``: part of the handshake, sent before the connection is ready."""
+        if ready:
             self._ensure_connected()
-        _, future = self._send(op, args)
+        _, future = self._send(op, args, ready=ready)
         try:
             reply = future.result(self.request_timeout)
         except concurrent.futures.TimeoutError:
@@ -232,9 +320,12 @@ class Client:
         return result_of(reply)
 
     def _send(
-        self, op: str, args: dict[str, Any] | None, track: bool = True
+        self, op: str, args: dict[str, Any] | None, track: bool = True, *, ready: bool = True
     ) -> tuple[int, concurrent.futures.Future[Reply]]:
         future: concurrent.futures.Future[Reply] = concurrent.futures.Future()
+        if ready and self._sock is not None and not self._ready.is_set():
+            # connecting or reconnecting: requests wait for the handshake, which goes first
+            self._ready.wait(self.reconnect + self.connect_timeout + self.request_timeout)
         with self._lock:
             if self._lost is not None:
                 raise self._lost
@@ -243,10 +334,17 @@ class Client:
             rid, frame = self._proto.request(op, args)
             if track:  # an untracked request's reply is dropped on arrival
                 self._pending[rid] = future
+                if ready:  # re-sent after a reconnection (a handshake is not: it belongs to its connection)
+                    self._requests[rid] = (op, args)
+            if ready and not self._ready.is_set():
+                return rid, future  # the connection is being replaced: a tracked request goes with the resumption
             try:
                 self._sock.sendall(frame)
             except OSError as exc:
+                if ready and self.reconnect > 0 and self.session is not None and not self._closing:
+                    return rid, future  # the reader sees the loss too; the request is re-sent once reconnected
                 self._pending.pop(rid, None)
+                self._requests.pop(rid, None)
                 raise errors.ConnectionLost(f"lost the daemon while sending {op!r}: {exc}") from None
         return rid, future
 
@@ -255,6 +353,7 @@ class Client:
         with self._lock:
             self._abandoned.add(rid)
             self._pending.pop(rid, None)
+            self._requests.pop(rid, None)
         try:
             self._send("cancel", {"request": rid}, track=False)
         except errors.TimeslicedError:
@@ -264,37 +363,138 @@ class Client:
         """Run one offload directive off the reader thread, then report back."""
         answer = run_directive(self.offloader, data)
         try:
-            self._send("offload_done", answer, track=False)
+            self._send("offload_done", answer, track=False, ready=False)
         except errors.TimeslicedError:
             pass  # the daemon saw the connection close and gave up on the directive
 
     def _read_loop(self) -> None:
         sock = self._sock
-        assert sock is not None
-        error: errors.TimeslicedError = errors.ConnectionLost("the daemon closed the connection")
-        try:
-            while True:
-                data = sock.recv(1 << 16)
-                if not data:
-                    break
-                for message in self._proto.receive(data):
-                    self._dispatch(message)
-        except errors.TimeslicedError as exc:
-            error = exc
-        except OSError as exc:
-            error = errors.ConnectionLost(f"connection to the daemon failed: {exc}")
+        while sock is not None:
+            error = self._read_until_lost(sock)
+            lost = isinstance(error, errors.ConnectionLost)
+            if self._closing or not lost or self.reconnect <= 0 or self.session is None:
+                break
+            sock = self._reconnect(sock, error)
+            if sock is None:
+                error = errors.ConnectionLost(f"the daemon did not come back within {self.reconnect:g}s: {error}")
+                break
+        else:
+            return
         with self._lock:
             self._lost = error
             pending, self._pending = self._pending, {}
+            self._requests.clear()
+        self._ready.set()  # wakes requests waiting for a reconnection: they raise ``_lost``
         for future in pending.values():
             if not future.done():
                 future.set_exception(error)
 
+    def _read_until_lost(self, sock: socket.socket) -> errors.TimeslicedError:
+        try:
+            while True:
+                data = sock.recv(1 << 16)
+                if not data:
+                    return errors.ConnectionLost("the daemon closed the connection")
+                for message in self._proto.receive(data):
+                    self._dispatch(message)
+        except errors.TimeslicedError as exc:
+            return exc
+        except OSError as exc:
+            return errors.ConnectionLost(f"connection to the daemon failed: {exc}")
+
+    def _reconnect(self, old: socket.socket, why: errors.TimeslicedError) -> socket.socket | None:
+        """Connect again (backing off), register again and re-send what waits; None if the daemon is gone.
+
+        Runs on the reader thread, so nothing else reads the new connection until it
+        is ready; requests from other threads wait for ``_ready``.
+        """
+        self._ready.clear()
+        log.warning("job %r lost its daemon (%s); reconnecting for up to %gs", self.job, why.message, self.reconnect)
+        deadline = time.monotonic() + self.reconnect
+        delay = 0.05
+        while not self._closing and time.monotonic() < deadline:
+            try:
+                sock = open_socket(self.address, max(0.1, min(self.connect_timeout, deadline - time.monotonic())))
+            except errors.TimeslicedError:
+                time.sleep(delay)
+                delay = min(2 * delay, 1.0)
+                continue
+            with self._lock:
+                if self._sock is not old:  # closed meanwhile
+                    sock.close()
+                    return None
+                self._sock = sock
+                self._proto.new_connection()
+                self._abandoned.clear()
+            old.close()
+            old = sock
+            try:
+                self._resume(sock)
+            except errors.ConnectionLost as exc:  # gone again: try again
+                log.warning("job %r: the daemon went away again while resuming (%s)", self.job, exc.message)
+                continue
+            except errors.TimeslicedError as exc:  # refused (the job is faulted, say): give up
+                log.error("job %r cannot resume on the restarted daemon: %s", self.job, exc)
+                return None
+            self.reconnects += 1
+            return sock
+        return None
+
+    def _resume(self, sock: socket.socket) -> None:
+        """Hello and register on the new connection; take the lock back if it was held; re-send the rest."""
+        sock.settimeout(self.connect_timeout)
+        hello = self._ask(sock, "hello", hello_args())
+        if (auth := auth_args(hello, self._token)) is not None:
+            self._ask(sock, "auth", auth)
+        reg = self._ask(sock, "register", self._register)
+        self.session, self.gpus = reg["session"], list(reg["gpus"])
+        sock.settimeout(self.request_timeout)
+        if self.lock.holding:  # the restarted daemon kept our turn: we are granted first
+            grant = Grant.from_wire(self._ask(sock, "acquire", acquire_args(None)))
+            log.info("job %r holds group %r again (fence %d)", self.job, grant.group, grant.fence)
+        sock.settimeout(None)
+        with self._lock:  # nothing else is sent until these are, and then the connection is ready
+            frames = [self._proto.frame(rid, op, args) for rid, (op, args) in sorted(self._requests.items())]
+            try:
+                for frame in frames:  # same ids: the answers reach the original waiters
+                    sock.sendall(frame)
+            except OSError as exc:
+                raise errors.ConnectionLost(f"lost the daemon while re-sending requests: {exc}") from None
+            self._ready.set()
+
+    def _ask(self, sock: socket.socket, op: str, args: dict[str, Any]) -> Any:
+        """One request on a connection nobody else reads yet; pushes that come meanwhile are handled."""
+        with self._lock:
+            rid, frame = self._proto.request(op, args)
+        try:
+            sock.sendall(frame)
+            while True:
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise errors.ConnectionLost(f"the daemon closed the connection during {op!r}")
+                for message in self._proto.receive(data):
+                    if isinstance(message, Reply) and message.id == rid:
+                        return result_of(message)
+                    self._dispatch(message)
+        except OSError as exc:
+            raise errors.ConnectionLost(f"lost the daemon during {op!r}: {exc}") from None
+
+    def _heartbeat(self, sock: socket.socket) -> None:
+        """Tell the daemon we are alive while the connection lasts (a reconnection starts a new one)."""
+        while self._lease and not self._closing:
+            time.sleep(self._lease / 3)
+            if self._sock is None or self._closing:
+                return
+            if self._ready.is_set():
+                try:
+                    self._send("ping", None, track=False)
+                except errors.TimeslicedError:
+                    pass
+
     def _dispatch(self, message: Reply | Push) -> None:
         if isinstance(message, Push):
-            if message.event == "faulted":
-                self.faulted = str(message.data.get("reason", "faulted"))
-            elif message.event == "offload":
+            self.lock.on_push(message.event, message.data)
+            if message.event == "offload":
                 pool = self._directives
                 if pool is not None:  # None once closed: nothing may move after close() returns
                     try:
@@ -309,6 +509,7 @@ class Client:
             return
         with self._lock:
             future = self._pending.pop(message.id, None)
+            self._requests.pop(message.id, None)
             abandoned = message.id in self._abandoned
             self._abandoned.discard(message.id)
         if abandoned and message.ok:
@@ -320,12 +521,17 @@ class Client:
             future.set_result(message)
 
 
-def daemon_status(address: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> dict[str, Any]:
-    """The status of a daemon, without registering a job (``timesliced status``)."""
+def daemon_status(
+    address: str | os.PathLike[str] | None = None, timeout: float = 10.0, token: str | None = None
+) -> dict[str, Any]:
+    """The status of a daemon, without registering a job (``timesliced status``).
+
+    Over TCP it proves the token like ``Client``; raises ``PermissionDenied`` without it.
+    """
     proto = ClientProtocol()
     with open_socket(resolve_address(address), timeout) as sock:
-        results: list[Any] = []
-        for op, args in (("hello", hello_args()), ("status", {})):
+
+        def ask(op: str, args: dict[str, Any]) -> Any:
             rid, frame = proto.request(op, args)
             sock.sendall(frame)
             reply: Reply | None = None
@@ -334,8 +540,11 @@ def daemon_status(address: str | os.PathLike[str] | None = None, timeout: float 
                 if not data:
                     raise errors.ConnectionLost("the daemon closed the connection")
                 reply = next((m for m in proto.receive(data) if isinstance(m, Reply) and m.id == rid), None)
-            results.append(result_of(reply))
-    status: dict[str, Any] = results[-1]
+            return result_of(reply)
+
+        if (auth := auth_args(ask("hello", hello_args()), token)) is not None:
+            ask("auth", auth)
+        status: dict[str, Any] = ask("status", {})
     return status
 
 

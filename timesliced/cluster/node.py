@@ -35,7 +35,7 @@ from .. import errors
 from ..core.election import BecameLeader, Election, LeaderChanged, Persist, Persisted, SteppedDown, message_from_wire
 from ..core.election import Send as ElectionSend
 from ..core.events import GrantLock
-from ..core.scheduler import Scheduler
+from ..core.scheduler import AUTO, Scheduler, SlicePolicy
 from .ids import gpu_slot, local_gpu
 from .orchestrator import Era, Orchestrator
 
@@ -104,7 +104,7 @@ class Granted:
 
 @dataclass(frozen=True)
 class Noted:
-    """Something for the log and the history: ``kind`` is leader, faulted, exited or problem."""
+    """Something for the log and the history: ``kind`` is leader, problem, faulted, slice_overdue or preempted."""
 
     kind: str
     text: str
@@ -148,6 +148,14 @@ class Waiting:
 
 
 @dataclass
+class Turn:
+    """A place a restarted node keeps for its job: it held (``seq`` -1) or waited when the daemon died."""
+
+    seq: int
+    until: float
+
+
+@dataclass
 class Forwarded:
     op: str
     conn: int
@@ -170,6 +178,7 @@ class ClusterNode:
         max_waiters: int = 1024,
         op_timeout: float = 600.0,
         sync_timeout: float | None = None,
+        policies: dict[str, SlicePolicy] | None = None,
     ) -> None:
         members = tuple(sorted(members))
         if node_id not in members:
@@ -191,6 +200,7 @@ class ClusterNode:
         )
         self.max_waiters = max_waiters
         self.op_timeout = op_timeout
+        self.policies = dict(policies or {})
         self.sync_timeout = sync_timeout if sync_timeout is not None else election_timeout[1]
         # follower side
         self.era: Era | None = None  # the era this node takes directions in
@@ -201,6 +211,7 @@ class ClusterNode:
         self.holders: dict[str, Holding] = {}  # group -> holder, as delivered here
         self.fences: dict[str, tuple[int, int]] = {}  # group -> highest (term, fence) delivered here
         self.waiting: dict[tuple[int, int], Waiting] = {}  # (conn, rid) -> acquire waiting for its grant
+        self.turns: dict[str, Turn] = {}  # job -> its place, kept after a restart until it asks again
         self._pending: dict[int, Forwarded] = {}  # forwarded requests without an answer, by req id
         self._sent: set[int] = set()  # which of them went to the current leader
         self._notes: list[dict[str, Any]] = []  # one-way notices for the leader, held until ready
@@ -283,8 +294,11 @@ class ClusterNode:
         if op != "register" and conn not in self.sessions:
             raise errors.NotRegistered("register a job before using the lock")
         if op == "acquire":
+            if rid == AUTO:
+                raise errors.BadRequest(f"request id {AUTO} is reserved")
             timeout = args.get("timeout")
             self.waiting[(conn, rid)] = Waiting(next(self._order), None if timeout is None else now + timeout)
+            self.turns.pop(self.sessions[conn], None)
         elif op == "release":
             self._let_go(conn, self.sessions[conn])
         try:
@@ -465,7 +479,7 @@ class ClusterNode:
         if sender != self.leader or era != self.era or sender != self.election.leader:
             self.refused += 1
             return
-        handler = _FROM_LEADER.get(kind)
+        handler = _FROM_LEADER.get(kind) if isinstance(kind, str) else None
         if handler is None:
             raise ValueError(f"unknown message kind {kind!r}")
         handler(self, m, now)
@@ -583,7 +597,62 @@ class ClusterNode:
                 for (conn, rid), w in self.waiting.items()
             ],
             "fences": {g: f for g, (_, f) in self.fences.items()},
+            "turns": [
+                {"job": job, "seq": t.seq, "order": 0, "kept_for": t.until - now}
+                for job, t in sorted(self.turns.items(), key=lambda kv: kv[1].seq)
+                if t.until > now and job in self.jobs
+            ],
         }
+
+    # --- durability: what a restarted daemon needs to take up its jobs again ------------------
+
+    def durable(self, now: float) -> dict[str, Any]:
+        """This node's jobs, where their state lives, and who held or waited (plain data, for the journal)."""
+        order: dict[str, int] = {}  # job -> the earliest place of its waiting acquires
+        for (conn, _), w in self.waiting.items():
+            job = self.sessions.get(conn)
+            if job is not None:
+                order[job] = min(order.get(job, 1 << 62), w.seq if w.seq is not None else (1 << 40) + w.order)
+        for job, t in self.turns.items():
+            if t.until > now and job not in order:
+                order[job] = t.seq
+        for h in self.holders.values():
+            order[h.job] = -1
+        return {
+            "jobs": [
+                {
+                    "job": j.name,
+                    "group": j.group,
+                    "exclusive": j.exclusive,
+                    "span": list(j.span),
+                    "location": j.location,
+                    "footprint": {str(g): n for g, n in j.footprint.items()},
+                    "faulted": j.faulted,
+                    "pids": sorted(j.pids),
+                }
+                for j in self.jobs.values()
+                if not j.gone
+            ],
+            "turns": {job: seq for job, seq in order.items() if job in self.jobs},
+            "fences": {g: list(stamp) for g, stamp in self.fences.items()},
+        }
+
+    def restore(self, picture: dict[str, Any], now: float, keep_turns_for: float) -> None:
+        """Take up the jobs of a journal written by an earlier run (before ``start``).
+
+        Their processes reconnect with new sessions; until then each job is known by its
+        PIDs, and the places it had in its group's queue are kept for ``keep_turns_for`` s.
+        """
+        for j in picture["jobs"]:
+            job = LocalJob(j["job"], j["group"], bool(j["exclusive"]), tuple(j["span"]), j["location"])
+            job.footprint = {int(g): int(n) for g, n in j["footprint"].items()}
+            job.faulted, job.pids = str(j["faulted"]), set(j["pids"])
+            self.jobs[job.name] = job
+        for job, seq in picture["turns"].items():
+            if job in self.jobs:
+                self.turns[job] = Turn(int(seq), now + keep_turns_for)
+        for group, (term, fence) in picture["fences"].items():
+            self.fences[group] = (int(term), int(fence))
 
     def _on_ready(self, m: dict[str, Any], now: float) -> None:
         self.ready = True
@@ -594,7 +663,8 @@ class ClusterNode:
             self._to_leader(note, now)
 
     def _on_res(self, m: dict[str, Any], now: float) -> None:
-        f = self._pending.pop(m.get("id"), None)
+        req = m.get("id")
+        f = self._pending.pop(req, None) if isinstance(req, int) else None
         if f is None:
             return
         self._sent.discard(m["id"])
@@ -621,7 +691,10 @@ class ClusterNode:
         self.fences[group] = stamp
         conns = set()
         for conn, rid in m["tickets"]:
-            if self.waiting.pop((conn, rid), None) is not None or conn in self.sessions:
+            if rid == AUTO:  # queued again after a preemption: granted without asking
+                if conn in self.sessions:
+                    self._effects.append(Push((conn,), "granted", info))
+            elif self.waiting.pop((conn, rid), None) is not None or conn in self.sessions:
                 self._effects.append(Reply(conn, rid, info))
             if self.sessions.get(conn) == job:
                 conns.add(conn)
@@ -632,8 +705,12 @@ class ClusterNode:
             self.holders[group] = Holding(job, info["term"], fence, conns)
 
     def _on_fail(self, m: dict[str, Any], now: float) -> None:
+        error = errors.from_wire(m.get("error"))
+        if m["rid"] == AUTO:  # a preempted job will not be granted again: its client must not wait for it
+            self._effects.append(Push((m["conn"],), "lock_lost", {"reason": error.message}))
+            return
         self.waiting.pop((m["conn"], m["rid"]), None)
-        self._effects.append(Fail(m["conn"], m["rid"], errors.from_wire(m.get("error"))))
+        self._effects.append(Fail(m["conn"], m["rid"], error))
 
     def _on_queued(self, m: dict[str, Any], now: float) -> None:
         w = self.waiting.get((m["conn"], m["rid"]))
@@ -647,7 +724,7 @@ class ClusterNode:
             return
         if event == "faulted" and not data.get("until_resync"):
             job.faulted = str(data.get("reason", "faulted"))
-        elif event == "lock_lost":
+        elif event in ("lock_lost", "preempted"):
             holding = self.holders.get(job.group)
             if holding is not None and holding.job == name:
                 del self.holders[job.group]
@@ -753,6 +830,7 @@ class ClusterNode:
             max_waiters=self.max_waiters,
             op_timeout=self.op_timeout,
             fence_floor=self._fence_floor[1],
+            policies=self.policies,
         )
         if self._figures is not None:
             self.orch.scheduler.carry_figures(self._figures)
@@ -773,9 +851,11 @@ class ClusterNode:
             self._to_node(out.slot, out.message)
         grants, self.orch.grants = self.orch.grants, []
         self._effects.extend(Granted(g) for g in grants)
-        faults, self.orch.faults = self.orch.faults, []
-        for f in faults:
-            self._effects.append(Noted("faulted", str(f.data.get("reason", "")), job=f.job))
+        notices, self.orch.notices = self.orch.notices, []
+        for n in notices:
+            group = n.data.get("group")
+            reason = str(n.data.get("reason", ""))
+            self._effects.append(Noted(n.event, reason, job=n.job, group=group if isinstance(group, str) else None))
 
     def _to_node(self, slot: int, message: dict[str, Any]) -> None:
         member = self.members[slot]

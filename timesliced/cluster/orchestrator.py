@@ -44,10 +44,11 @@ from ..core.events import (
     SessionClosed,
     SnapshotJob,
 )
-from ..core.scheduler import Location, Scheduler
+from ..core.scheduler import Location, Scheduler, SlicePolicy
 from .ids import global_gpu, global_session, gpu_slot, local_conn, local_gpu, session_slot
 
 Era = tuple[int, int]  # (term, gen): gen counts the leader's resynchronisations within its term
+NOTED = ("faulted", "slice_overdue", "preempted")  # notices that also go to the log and the history
 MOVE_GRACE_S = 5.0  # on top of the node's own operation timeout, for the messages
 
 
@@ -78,17 +79,23 @@ class Orchestrator:
     """The leader's scheduler and the routing of its decisions to nodes (slots)."""
 
     def __init__(
-        self, era: Era, capacities: dict[int, int], *, max_waiters: int = 1024, op_timeout: float = 600.0
+        self,
+        era: Era,
+        capacities: dict[int, int],
+        *,
+        max_waiters: int = 1024,
+        op_timeout: float = 600.0,
+        policies: dict[str, SlicePolicy] | None = None,
     ) -> None:
         self.era = era
-        self.scheduler = Scheduler(capacities, max_waiters=max_waiters)
+        self.scheduler = Scheduler(capacities, max_waiters=max_waiters, policies=policies)
         self.op_timeout = op_timeout
         self.job_nodes: dict[str, set[int]] = {}  # job -> slots where it has sessions or state
         self.gone: dict[str, set[int]] = {}  # job -> slots whose processes of it are all gone
         self.offline: set[int] = set()  # slots out of reach in this era
         self.spans: dict[str, set[int]] = {}  # group -> slots its GPUs are on, as far as anyone knows
         self.grants: list[GrantLock] = []  # new grants since the last drain, for figures
-        self.faults: list[NotifyJob] = []
+        self.notices: list[NotifyJob] = []  # faults, overdue slices and preemptions, for the log and history
         self._fanouts: dict[int, _Fanout] = {}
         self.fence_floor: dict[str, int] = {}  # fences this leader already gave (earlier eras of its term)
         self._unknown: set[str] = set()  # jobs whose last move has an unknown outcome on some node
@@ -248,8 +255,9 @@ class Orchestrator:
             )
         elif isinstance(effect, NotifyJob):
             data = effect.data
+            if effect.event in NOTED:
+                self.notices.append(effect)
             if effect.event == "faulted":
-                self.faults.append(effect)
                 # A node that did not answer may have done its part: the next leader's stock-taking decides.
                 data = {**data, "until_resync": effect.job in self._unknown}
             for slot in sorted(self.job_nodes.get(effect.job, ())):
@@ -354,6 +362,7 @@ class Orchestrator:
         max_waiters: int = 1024,
         op_timeout: float = 600.0,
         fence_floor: dict[str, int] | None = None,
+        policies: dict[str, SlicePolicy] | None = None,
     ) -> tuple[Orchestrator, list[str]]:
         """The orchestrator of a new era from the nodes' reports (slot -> report).
 
@@ -363,7 +372,7 @@ class Orchestrator:
         (inconsistent reports), for the log; those pieces are left out.
         """
         capacities = {global_gpu(s, int(g)): cap for s, r in reports.items() for g, cap in r["devices"].items()}
-        orch = cls(era, capacities, max_waiters=max_waiters, op_timeout=op_timeout)
+        orch = cls(era, capacities, max_waiters=max_waiters, op_timeout=op_timeout, policies=policies)
         orch.offline = set(missing)
         orch.fence_floor = dict(fence_floor or {})
         sched = orch.scheduler
@@ -447,40 +456,47 @@ class Orchestrator:
                     problems.append(f"session {slot}/{s['conn']} of job {s['job']!r}: {exc.message}")
         # 3. fences and holders: the highest fence any node saw, and the holder under it
         claims: dict[str, list[tuple[int, int, str, set[int]]]] = {}  # group -> (fence, slot, job, sessions)
-        for group, fence in orch.fence_floor.items():
-            if group in sched.groups:
-                sched.raise_fence(group, fence)
+        for name, fence in orch.fence_floor.items():
+            if name in sched.groups:
+                sched.raise_fence(name, fence)
         for slot, report in sorted(reports.items()):
-            for group, fence in report["fences"].items():
-                if group in sched.groups:
-                    sched.raise_fence(group, fence)
+            for name, fence in report["fences"].items():
+                if name in sched.groups:
+                    sched.raise_fence(name, fence)
             for h in report["holders"]:
                 sessions = {global_session(slot, c) for c in h["conns"]}
                 claims.setdefault(h["group"], []).append((h["fence"], slot, h["job"], sessions))
-        for group, held in claims.items():
-            fence, _, job, _ = max(held, key=lambda c: c[0])
-            sessions = set().union(*(c[3] for c in held if c[0] == fence and c[2] == job))
+        for name, held in claims.items():
+            fence, _, holder, _ = max(held, key=lambda c: c[0])
+            sessions = set().union(*(c[3] for c in held if c[0] == fence and c[2] == holder))
             try:
-                sched.adopt_holder(group, job, sessions & sched.jobs[job].sessions, fence, now)
+                sched.adopt_holder(name, holder, sessions & sched.jobs[holder].sessions, fence, now)
                 adopted = True
             except (KeyError, ValueError) as exc:
-                problems.append(f"holder {job!r} of {group!r} is not adopted: {exc}")
+                problems.append(f"holder {holder!r} of {name!r} is not adopted: {exc}")
                 adopted = False
-            lost = {"group": group, "reason": "the new leader found another holder or an inconsistent state"}
+            lost = {"group": name, "reason": "the new leader found another holder or an inconsistent state"}
             for f, slot, other, _ in held:
-                if not adopted or (f, other) != (fence, job):
+                if not adopted or (f, other) != (fence, holder):
                     orch._to(slot, {"k": "notify", "job": other, "event": "lock_lost", "data": lost})
         # 4. half-switched jobs are parked everywhere before anyone waits for them
         for name, whole in settle:
             if sched.groups[sched.jobs[name].group].holder != name:
                 sched.settle(name, now, whole)
-        # 5. waiting acquires, in the order the previous leader queued them (then as they arrived)
+        # 5. waiting acquires, in the order the previous leader queued them (then as they arrived),
+        # after the turns a restarted node kept for its jobs (the holder's first)
         waiting = [
             (w["seq"] is None, w["seq"] or 0, w["order"], slot, w)
             for slot, report in reports.items()
-            for w in report["waiting"]
+            for w in [*report.get("turns", ()), *report["waiting"]]
         ]
         for _, _, _, slot, w in sorted(waiting, key=lambda t: t[:4]):
+            if "kept_for" in w:
+                try:
+                    sched.keep_turn(w["job"], now + w["kept_for"], now)
+                except (KeyError, ValueError) as exc:
+                    problems.append(f"the turn of job {w['job']!r} is not kept: {exc}")
+                continue
             session = global_session(slot, w["conn"])
             deadline = None if w["deadline_in"] is None else now + w["deadline_in"]
             try:

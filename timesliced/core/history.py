@@ -39,7 +39,9 @@ class GroupView:
 class Event:
     id: int
     t: float
-    kind: str  # registered | granted | released | switch_started | switch_finished | faulted | exited | admin
+    # registered | granted | released | switch_started | switch_finished | faulted | slice_overdue | preempted
+    # | exited | admin
+    kind: str
     group: str | None
     job: str | None
     detail: str = ""

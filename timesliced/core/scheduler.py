@@ -8,7 +8,9 @@ Invariants (``check_invariants``), kept after every input:
 
 - a group has at most one holding job, and that job is resident and not faulted;
 - each group's queue is in arrival order (FIFO) and holds a job at most once;
-  a faulted or exiting job never waits (its waiters are failed at once);
+  a faulted or exiting job never waits (its waiters are failed at once); a
+  place without requests is a turn kept for a job whose daemon restarted, and
+  it lapses at its deadline;
 - a job that is parking or restoring has exactly one move in flight, and a
   job being reclaimed (exiting) never starts a move;
 - fences grow strictly with every new grant of a group;
@@ -55,6 +57,7 @@ from .events import (
 )
 
 RECENT = 512  # samples kept per group for medians and percentiles
+MAX_REQUESTS_PER_JOB = 256  # acquires of one job waiting at once (each of its processes may wait)
 
 
 class Location(enum.Enum):
@@ -78,6 +81,28 @@ class GroupState(enum.Enum):
     FAULTED = "faulted"  # nobody holds, and a job of the group is faulted: it needs an operator
 
 
+AUTO = 0  # the request id of an acquire the scheduler made for a job (a preempted holder queued again)
+
+
+@dataclass(frozen=True)
+class SlicePolicy:
+    """How long a holder may keep its group while others wait, and what happens then.
+
+    Past ``max_slice`` the holder is warned (``slice_overdue``); with action
+    ``preempt`` it is parked ``grace`` seconds later and queued again.
+    """
+
+    max_slice: float
+    action: str = "warn"  # "warn" | "preempt"
+    grace: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.max_slice > 0 or not self.grace >= 0:
+            raise ValueError("a maximum slice must be > 0 s and its grace >= 0 s")
+        if self.action not in ("warn", "preempt"):
+            raise ValueError(f"slice action must be 'warn' or 'preempt', not {self.action!r}")
+
+
 @dataclass
 class Waiter:
     """One job's place in a group's queue; several requests may wait on it."""
@@ -85,6 +110,7 @@ class Waiter:
     job: str
     enqueued_at: float
     tickets: dict[Ticket, float | None] = field(default_factory=dict)  # ticket -> deadline
+    kept_until: float | None = None  # a turn kept without requests (see ``keep_turn``) lapses then
 
 
 @dataclass
@@ -101,6 +127,7 @@ class Job:
     last_granted: float = float("-inf")
     # figures
     slices: int = 0
+    preemptions: int = 0
     restores: int = 0
     snapshots: int = 0
     gpu_seconds: float = 0.0
@@ -124,12 +151,14 @@ class Group:
     holder: str | None = None
     holder_sessions: set[SessionId] = field(default_factory=set)
     held_since: float = 0.0
+    overdue_since: float | None = None  # when the holder was warned that its slice is over
     fence: int = 0
     switch: Switch | None = None
     last_holder: str | None = None
     # figures
     grants: int = 0
     switches: int = 0
+    preemptions: int = 0
     bytes_moved: int = 0
     held_total_s: float = 0.0
     created_at: float = 0.0
@@ -161,11 +190,19 @@ class _Move:
 class Scheduler:
     """Decides who holds each group and what must move between device and host."""
 
-    def __init__(self, capacities: dict[int, int], *, max_waiters: int = 1024) -> None:
+    def __init__(
+        self,
+        capacities: dict[int, int],
+        *,
+        max_waiters: int = 1024,
+        policies: dict[str, SlicePolicy] | None = None,
+    ) -> None:
+        """``policies``: group -> its ``SlicePolicy``; the key ``"*"`` is every other group's."""
         if not capacities:
             raise ValueError("a scheduler needs at least one GPU")
         self.capacities = dict(capacities)
         self.max_waiters = max_waiters
+        self.policies = dict(policies or {})
         self.groups: dict[str, Group] = {}
         self.jobs: dict[str, Job] = {}
         self.sessions: dict[SessionId, str] = {}  # session -> job
@@ -215,16 +252,35 @@ class Scheduler:
             group, w = waiter
             self._drop_ticket(group, w, ticket)
             self._emit(FailRequest(ticket, errors.AcquireTimeout("the lock was not granted before the timeout")))
+        for group in self.groups.values():
+            for w in [w for w in group.queue if not w.tickets and w.kept_until is not None and w.kept_until <= now]:
+                group.queue.remove(w)  # its job did not come back in time
         self._advance_all(now)
 
     def next_deadline(self) -> float | None:
+        times = [t for g in self.groups.values() if (t := self._group_deadline(g)) is not None]
         while self._deadlines:
             deadline, ticket = self._deadlines[0]
             waiter = self._waiter_of_ticket(ticket)
             if waiter is not None and waiter[1].tickets.get(ticket) == deadline:
-                return deadline
+                times.append(deadline)
+                break
             heapq.heappop(self._deadlines)
-        return None
+        return min(times, default=None)
+
+    def _group_deadline(self, g: Group) -> float | None:
+        """When the group's holder is due a warning or a preemption, or a kept turn lapses."""
+        times = [w.kept_until for w in g.queue if not w.tickets and w.kept_until is not None]
+        policy = self.policy(g.name)
+        if policy is not None and g.holder is not None and self._others_wait(g):
+            if g.overdue_since is None:
+                times.append(g.held_since + policy.max_slice)
+            elif policy.action == "preempt":
+                times.append(g.overdue_since + policy.grace)
+        return min(times, default=None)
+
+    def policy(self, group: str) -> SlicePolicy | None:
+        return self.policies.get(group, self.policies.get("*"))
 
     def drain(self) -> list[Effect]:
         out, self._effects = self._effects, []
@@ -297,12 +353,13 @@ class Scheduler:
         for name, g in self.groups.items():
             if (o := old.groups.get(name)) is not None:
                 g.created_at, g.grants, g.switches, g.bytes_moved = o.created_at, o.grants, o.switches, o.bytes_moved
-                g.held_total_s, g.deferred = o.held_total_s, o.deferred
+                g.held_total_s, g.deferred, g.preemptions = o.held_total_s, o.deferred, o.preemptions
                 g.switch_times, g.wait_times = o.switch_times, o.wait_times
         for name, j in self.jobs.items():
             if (oj := old.jobs.get(name)) is not None:
                 j.slices, j.restores, j.snapshots, j.gpu_seconds = oj.slices, oj.restores, oj.snapshots, oj.gpu_seconds
                 j.bytes_moved, j.waits, j.last_granted = oj.bytes_moved, oj.waits, oj.last_granted
+                j.preemptions = oj.preemptions
 
     def raise_fence(self, group: str, fence: int) -> None:
         """New grants of ``group`` get fences above ``fence`` (the highest any node has seen)."""
@@ -320,6 +377,19 @@ class Scheduler:
             raise ValueError(f"job {name!r} cannot be settled: it is {job.location.value} or holds its group")
         op = self._start_move(job, "snapshot", now)
         self._settled[op] = dict(footprint)
+
+    def keep_turn(self, name: str, until: float, now: float) -> None:
+        """Keep a place in its group's queue for job ``name`` until ``until``, with no request yet.
+
+        A daemon that restarted knows who held or waited; their clients come back with new
+        connections and ask again. Their places are kept (the group waits for them) until
+        they do or the deadline passes.
+        """
+        job = self.jobs[name]
+        group = self.groups[job.group]
+        if job.faulted or job.exiting or group.holder == name or any(w.job == name for w in group.queue):
+            raise ValueError(f"job {name!r} cannot have a turn kept in group {group.name!r}")
+        group.queue.append(Waiter(name, now, kept_until=until))
 
     # --- queries ---------------------------------------------------------------------
 
@@ -361,7 +431,7 @@ class Scheduler:
             names = [w.job for w in g.queue]
             assert len(names) == len(set(names)), f"job queued twice in {g.name}: {names}"
             assert all(a.enqueued_at <= b.enqueued_at for a, b in itertools.pairwise(g.queue)), "not FIFO"
-            assert all(w.tickets for w in g.queue), "empty waiter left in queue"
+            assert all(w.tickets or w.kept_until is not None for w in g.queue), "empty waiter left in queue"
             assert g.holder not in names, "holder is also queued"
             for w in g.queue:
                 job = self.jobs[w.job]
@@ -464,6 +534,9 @@ class Scheduler:
                 raise errors.LimitExceeded(f"group {group.name!r} already has {self.max_waiters} waiting jobs")
             waiter = Waiter(job.name, now)
             group.queue.append(waiter)
+        if len(waiter.tickets) >= MAX_REQUESTS_PER_JOB:
+            raise errors.LimitExceeded(f"job {job.name!r} already has {MAX_REQUESTS_PER_JOB} acquires waiting")
+        waiter.kept_until = None
         waiter.tickets[ticket] = ev.deadline
         if ev.deadline is not None:
             heapq.heappush(self._deadlines, (ev.deadline, ticket))
@@ -486,6 +559,11 @@ class Scheduler:
             raise errors.NotHolder(
                 f"this connection does not hold group {group.name!r}: job {job.name!r} holds it through another"
             )
+        requeued = next((w for w in group.queue if w.job == job.name and (ev.session, AUTO) in w.tickets), None)
+        if group.holder != job.name and requeued is not None:
+            # Preempted, and done before its turn came back: it no longer wants the lock.
+            self._drop_ticket(group, requeued, (ev.session, AUTO))
+            return {"group": group.name, "fence": group.fence, "held_s": 0.0, "preempted": True}
         if group.holder != job.name:
             holder = f"job {group.holder!r}" if group.holder else "nobody"
             raise errors.NotHolder(f"job {job.name!r} does not hold group {group.name!r} ({holder} does)")
@@ -625,6 +703,7 @@ class Scheduler:
                 for ticket in list(w.tickets):
                     self._drop_ticket(group, w, ticket)
                     self._emit(FailRequest(ticket, drained))
+            group.queue = [w for w in group.queue if w.tickets]
         return {"group": group.name, "draining": group.draining, "holder": group.holder}
 
     def _group(self, name: str) -> Group:
@@ -644,6 +723,7 @@ class Scheduler:
         group.last_holder = group.holder
         group.holder = None
         group.holder_sessions.clear()
+        group.overdue_since = None
 
     def _advance_all(self, now: float) -> None:
         for group in self.groups.values():
@@ -653,8 +733,12 @@ class Scheduler:
         """Grant the head of the queue, or start the switch it needs."""
         if group.name in self.frozen:
             return  # a node of the group is out of reach: nothing is granted or moved until it is back
+        if group.holder is not None:
+            self._police_slice(group, now)
         if group.holder is None and group.switch is None and group.queue and not group.draining:
             head = group.queue[0]
+            if not head.tickets:
+                return  # a kept turn: the group waits for its job to ask again (or the turn to lapse)
             job = self.jobs[head.job]  # never faulted or exiting: those leave the queue at once
             if job.location is not Location.RESIDENT and job.location is not Location.PARKED:
                 return  # being parked by another group's switch; go on when that ends
@@ -673,6 +757,44 @@ class Scheduler:
                 group.switch.pending.add(self._start_move(v, "snapshot", now))
             if not group.switch.pending:
                 self._continue_switch(group, now)
+
+    def _others_wait(self, group: Group) -> bool:
+        return any(w.tickets for w in group.queue) and not group.draining
+
+    def _police_slice(self, group: Group, now: float) -> None:
+        """Warn a holder past its maximum slice while others wait; preempt it after the grace."""
+        policy = self.policy(group.name)
+        assert group.holder is not None
+        if policy is None or not self._others_wait(group) or now < group.held_since + policy.max_slice:
+            return
+        held = now - group.held_since
+        data: dict[str, object] = {"group": group.name, "fence": group.fence, "held_s": held}
+        data.update(max_slice_s=policy.max_slice, action=policy.action)
+        if group.overdue_since is None:
+            group.overdue_since = now
+            why = f"held group {group.name!r} for {held:.1f} s, past its maximum slice of {policy.max_slice:g} s"
+            if policy.action == "preempt":
+                why += f"; it is parked in {policy.grace:g} s unless it yields"
+            self._emit(NotifyJob(group.holder, "slice_overdue", {**data, "reason": why + " (others wait)"}))
+        if policy.action == "preempt" and now >= group.overdue_since + policy.grace:
+            self._preempt(group, now, data)
+
+    def _preempt(self, group: Group, now: float, data: dict[str, object]) -> None:
+        """Take the lock from a holder that kept it too long, park it, and queue it again."""
+        assert group.holder is not None
+        job = self.jobs[group.holder]
+        sessions = set(group.holder_sessions)
+        reason = (
+            f"preempted: held group {group.name!r} for {data['held_s']:.1f} s, past its maximum slice of "
+            f"{data['max_slice_s']:g} s, while others waited; queued again"
+        )
+        self._yield(group, now)
+        group.preemptions += 1
+        job.preemptions += 1
+        self._emit(NotifyJob(job.name, "preempted", {**data, "reason": reason}))
+        group.queue.append(Waiter(job.name, now, {(s, AUTO): None for s in sessions}))
+        if job.location is Location.RESIDENT:
+            self._start_move(job, "snapshot", now)  # its next GPU access waits until it is granted again
 
     def _continue_switch(self, group: Group, now: float) -> None:
         """All snapshots of the switch are done: restore, or re-plan, or give up."""
@@ -894,6 +1016,8 @@ class Scheduler:
             for ticket in list(w.tickets):
                 self._drop_ticket(group, w, ticket)
                 self._emit(FailRequest(ticket, error))
+            if w in group.queue:
+                group.queue.remove(w)  # a kept turn
 
     def _check_usable(self, job: Job) -> None:
         if job.faulted:
@@ -935,6 +1059,7 @@ class Scheduler:
                     "slices": j.slices,
                     "restores": j.restores,
                     "snapshots": j.snapshots,
+                    "preemptions": j.preemptions,
                     "gpu_seconds": j.gpu_seconds + (self._held_for(j, now) * len(self.groups[j.group].gpus)),
                     "bytes_moved": j.bytes_moved,
                     "median_wait_s": median(j.waits),
@@ -955,7 +1080,20 @@ class Scheduler:
             "holder": g.holder,
             "held_s": now - g.held_since if g.holder else None,
             "fence": g.fence,
-            "queue": [{"job": w.job, "waited_s": now - w.enqueued_at, "requests": len(w.tickets)} for w in g.queue],
+            "queue": [
+                {
+                    "job": w.job,
+                    "waited_s": now - w.enqueued_at,
+                    "requests": len(w.tickets),
+                    "kept_for_s": None if w.tickets or w.kept_until is None else max(0.0, w.kept_until - now),
+                    "preempted": any(t[1] == AUTO for t in w.tickets),
+                }
+                for w in g.queue
+            ],
+            "overdue_s": None if g.overdue_since is None else now - g.overdue_since,
+            "max_slice_s": p.max_slice if (p := self.policy(g.name)) else None,
+            "slice_action": p.action if p else None,
+            "preemptions": g.preemptions,
             "switching_to": g.switch.incoming if g.switch else None,
             "draining": g.draining,
             "frozen": self.frozen.get(g.name),

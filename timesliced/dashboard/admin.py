@@ -7,10 +7,13 @@ The rest of the dashboard is read-only. An action needs ``Authorization: Bearer 
 (401 without, 403 when wrong or when no token is configured; 404 unknown group, 409 nobody holds
 it). Browsers never attach that header by themselves, and a body must be JSON, so a cross-site form
 or link cannot trigger an action. The token is compared in constant time and never logged.
+Wrong tokens are answered one at a time, each after ``WRONG_TOKEN_DELAY_S``: guessing gets no
+faster with more connections, and other requests are never held up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -22,13 +25,16 @@ from .context import SETTINGS, SOURCE
 from .encoding import json_response
 from .params import HttpError
 
-__all__ = ["drain", "release", "resume", "state"]
+__all__ = ["GUESSES", "WRONG_TOKEN_DELAY_S", "drain", "release", "resume", "state"]
 
 log = logging.getLogger(__package__)  # the whole dashboard logs under one name
 
+WRONG_TOKEN_DELAY_S = 0.5
+GUESSES: web.AppKey[asyncio.Lock] = web.AppKey("admin_guesses")  # held while a wrong token waits out its delay
 
-def _check_token(request: web.Request) -> None:
-    """Raise unless the request carries the admin token (compared in constant time)."""
+
+async def _check_token(request: web.Request) -> None:
+    """Raise unless the request carries the admin token (compared in constant time); a wrong one costs a delay."""
     token = request.app[SETTINGS].admin_token
     if token is None:
         raise HttpError(
@@ -45,12 +51,14 @@ def _check_token(request: web.Request) -> None:
     scheme, _, given = header.strip().partition(" ")
     ok = hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode("utf-8", "replace"))
     if scheme.lower() != "bearer" or not ok:
+        async with request.app[GUESSES]:
+            await asyncio.sleep(WRONG_TOKEN_DELAY_S)
         raise HttpError(403, errors.PermissionDenied.code, "the admin token is not valid")
 
 
 async def _admin_request(request: web.Request) -> str:
     """Authorise an admin POST and return its group name. A body, if any, must be JSON (forms cannot send it)."""
-    _check_token(request)
+    await _check_token(request)
     if request.body_exists:
         if request.content_type != "application/json":
             raise HttpError(415, "unsupported_media_type", "send no body or a JSON body (application/json)")
@@ -86,7 +94,7 @@ async def state(request: web.Request) -> web.Response:
     authorized: bool | None = None
     if enabled and request.headers.get("Authorization"):
         try:
-            _check_token(request)
+            await _check_token(request)
             authorized = True
         except HttpError:
             authorized = False

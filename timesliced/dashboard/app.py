@@ -66,6 +66,7 @@ def make_app(
     app[TEMPLATES] = load_templates()
     app[ASSETS] = load_assets()
     app[HUB] = StreamHub(source, float(sse_interval))
+    app[admin.GUESSES] = asyncio.Lock()
     app.cleanup_ctx.append(_run_hub)
     app.on_shutdown.append(_close_streams)
     app.on_response_prepare.append(_common_headers)

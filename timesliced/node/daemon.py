@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import random
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ from aiohttp import web
 from .. import __version__, errors
 from ..backends.base import JobTarget, MoveResult, ParkSpec
 from ..backends.offload import Direct
+from ..client.protocol import park_to_wire
 from ..cluster.node import PENDING, Allocate, ClusterNode, Fail, Granted, Noted, Push, Reply, RunMove, Send
 from ..cluster.state import load_election, save_election
 from ..cluster.transport import PeerTransport
@@ -32,14 +34,17 @@ from ..core.history import GroupView, History
 from ..metrics import Metrics
 from ..telemetry import SimGpuSource, SwitchLog, Telemetry
 from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
+from .authz import checked_pids
 from .compat import TaskGroup, timeout
+from .journal import Journal
 from .parking import Parking, open_parking, parse_park
-from .processes import PID_MAX, descendants, owner_uid, pid_alive
+from .processes import descendants, pid_alive
 from .server import DEFERRED, ClientServer, Connection
 from .view import DaemonView
 
 log = logging.getLogger(__name__)
 
+MID_MOVE_S = 0.05  # a "mid-" crash point fires this long into the move (give it a slow bandwidth)
 WEB_SHUTDOWN_S = 2.0  # open dashboard streams get this long to end when the daemon stops
 
 
@@ -51,7 +56,7 @@ class Daemon:
         self.config = config
         self.parking = (parking or functools.partial(open_parking, config))(self._direct)
         devices = self.parking.devices
-        members = config.cluster.members if config.cluster else (config.node,)
+        members = tuple(config.cluster.members) if config.cluster else (config.node,)
         self.cluster = ClusterNode(
             config.node,
             members,
@@ -59,10 +64,14 @@ class Daemon:
             rng=random.Random(),
             election_timeout=config.cluster.election_timeout if config.cluster else (1.0, 2.0),
             heartbeat_interval=config.cluster.heartbeat_interval if config.cluster else 0.25,
-            persisted=load_election(config.state_dir) if config.cluster else None,
+            # Also alone: a restarted daemon leads in a new term, so its grants' (term, fence) exceed the old ones.
+            persisted=load_election(config.state_dir),
             max_waiters=config.max_waiters,
             op_timeout=config.op_timeout,
+            policies=config.slice_policies,
         )
+        self.journal = Journal(config.state_dir)
+        self._journal_due = False
         self.peers: PeerTransport | None = None
         self.server = ClientServer(
             self,
@@ -73,6 +82,9 @@ class Daemon:
             max_write_buffer=config.max_write_buffer,
             node=config.node,
             backend=self.parking.default,
+            token=config.shared_token(),
+            lease=config.lease,
+            max_per_client=config.max_connections_per_client,
         )
         self._sim_source = self._sim_gpu_source()
         self.telemetry = Telemetry(
@@ -108,6 +120,7 @@ class Daemon:
         self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         bound = False
         try:
+            await self._take_up_journal()
             await self._start_cluster()
             await self.server.start_unix(self.config.resolved_socket())
             bound = True
@@ -115,11 +128,6 @@ class Daemon:
                 self.tcp_address = await self.server.start_tcp(*self.config.listen)
             if self.config.web is not None:
                 await self._start_web(*self.config.web)
-            recovered = self.parking.sim.recovered_jobs() if self.parking.sim is not None else {}
-            for job, (state, footprint) in recovered.items():
-                # The bytes are safe where the backend found them; handing them back to a
-                # re-registering job after a restart is not done yet (see the README).
-                log.warning("found job %r from an earlier run (%s, %s bytes per GPU)", job, state, footprint)
             log.info(
                 "timesliced %s serving on %s; jobs are parked with %s by default (%s); %d %s GPUs",
                 __version__,
@@ -132,6 +140,8 @@ class Daemon:
             async with TaskGroup() as tasks:
                 self._tasks = tasks
                 self._spawn(self._watch_processes())
+                if self.config.lease:
+                    self._spawn(self._watch_leases())
                 self._spawn(self.telemetry.run())
                 if ready is not None:
                     ready(self)
@@ -156,6 +166,7 @@ class Daemon:
                 except FileNotFoundError:
                     pass
             await self.parking.aclose()
+            self.journal.close()
 
     async def _start_cluster(self) -> None:
         """Listen for peers (in a cluster), then start the election: a single daemon leads at once."""
@@ -420,7 +431,13 @@ class Daemon:
         try:
             return call(*args)
         finally:
-            self._apply(self.cluster.drain())
+            effects = self.cluster.drain()
+            if any(isinstance(e, RunMove) for e in effects):
+                self._save_journal()  # what a switch is about to do is on record before it starts
+            elif not self._journal_due and self._loop is not None:
+                self._journal_due = True
+                self._loop.call_soon(self._save_journal)
+            self._apply(effects)
             self._rearm_timer()
             self._after_step()
 
@@ -456,14 +473,16 @@ class Daemon:
             self._allocate(effect)
         elif isinstance(effect, Granted):
             g = effect.grant
+            self._crash_point("at-grant")
             log.debug("grant %s fence %d to %s (restored=%s)", g.group, g.fence, g.job, g.restored)
             self.metrics.observe_grant(g.group, g.waited_s, g.switch_s, g.switched)
         elif isinstance(effect, Noted):
-            level = logging.WARNING if effect.kind in ("faulted", "problem") else logging.INFO
+            level = logging.INFO if effect.kind == "leader" else logging.WARNING
             log.log(level, "%s%s", f"job {effect.job!r}: " if effect.job else "", effect.text)
-            if effect.kind == "faulted":
-                group = self.cluster.jobs[effect.job].group if effect.job in self.cluster.jobs else None
-                self.history.record("faulted", self._now(), group=group, job=effect.job, detail=effect.text)
+            if effect.kind in ("faulted", "slice_overdue", "preempted"):
+                local = self.cluster.jobs.get(effect.job or "")
+                group = effect.group or (local.group if local else None)
+                self.history.record(effect.kind, self._now(), group=group, job=effect.job, detail=effect.text)
 
     def _allocate(self, effect: Allocate) -> None:
         conn = self._conns.get(effect.conn)
@@ -497,8 +516,12 @@ class Daemon:
                 self._step(self.cluster.move_finished, effect.key, True, 0, 0.0, "", self._now())
                 return
             operation = backend.snapshot if kind == "snapshot" else backend.restore
+            self._crash_point(f"before-{kind}")
+            if f"mid-{kind}" in self.config.crash_at and self._loop is not None:  # the copy runs in a thread
+                self._loop.call_later(MID_MOVE_S, self._crash_point, f"mid-{kind}")
             async with timeout(self.config.op_timeout):
                 result: MoveResult = await operation(target)
+            self._crash_point(f"after-{kind}")
         except Exception as exc:  # a failed move faults the job, never the daemon
             reason = "timed out" if isinstance(exc, TimeoutError) else f"{exc.__class__.__name__}: {exc}"
             log.error("%s of job %r failed: %s", kind, effect.job, reason)
@@ -569,10 +592,93 @@ class Daemon:
                 if not job.sessions and not job.gone and not any(pid_alive(p) for p in job.pids):
                     self._step(self.cluster.gone, job.name, self._now())
 
+    async def _watch_leases(self) -> None:
+        """Close connections whose client went quiet: a holder among them loses the lock."""
+        while True:
+            await asyncio.sleep(self.config.lease / 4)
+            self.server.expire_leases(self._now())
+
     def _sim(self) -> Any:
         if self.parking.sim is None:
             raise errors.BackendUnavailable("simulated device memory needs simulated GPUs (--backend sim)")
         return self.parking.sim
+
+    # --- the journal: taking jobs up again after a restart ----------------------------
+
+    def _save_journal(self) -> None:
+        self._journal_due = False
+        if self._stopping.is_set():
+            return  # what closing connections undo on the way out is not the state to come back to
+        picture = self.cluster.durable(self._now())
+        jobs = self.cluster.jobs
+        picture["park"] = {job: park_to_wire(spec) for job, spec in self._park.items() if job in jobs}
+        checkpoint: Any = self.parking.backends.get("cuda-checkpoint")
+        if checkpoint is not None:  # where each parked job's processes stand, for the driver after a restart
+            picture["backend"] = {job: record for job in jobs if (record := checkpoint.parked(job)) is not None}
+        try:
+            self.journal.save(picture)
+        except OSError as exc:
+            log.error("cannot write the journal in %s: %s", self.config.state_dir, exc)
+
+    async def _take_up_journal(self) -> None:
+        """Find the jobs of the last run: where their state is now, and the turns they had."""
+        picture = self.journal.load()
+        sim = self.parking.sim
+        recovered = sim.recovered_jobs() if sim is not None else {}
+        if picture is None:
+            for job, (state, _) in recovered.items():
+                log.warning("simulated state of job %r (%s) is on this node but in no journal", job, state)
+            return
+        kept = []
+        for entry in picture["jobs"]:
+            name = entry.get("job")
+            try:
+                spec = parse_park(picture["park"].get(name), self.parking.default)
+                settled = await self._settle_after_restart(entry, spec, picture.get("backend", {}).get(name))
+            except Exception as exc:  # one bad entry never stops the others
+                log.error("job %r of the journal is not taken up: %s", name, exc)
+                continue
+            if settled is not None:
+                kept.append(settled)
+                self._park[name] = spec
+                log.info("took up job %r from the last run: %s", name, settled["location"])
+        self.cluster.restore({**picture, "jobs": kept}, self._now(), self.config.recovery_grace)
+        self._save_journal()
+
+    async def _settle_after_restart(self, entry: dict[str, Any], spec: ParkSpec, record: Any) -> dict[str, Any] | None:
+        """``entry`` with where the job's state really is now, or None if nothing of it is left."""
+        name, location = entry["job"], entry["location"]
+        if spec.method == "sim":
+            sim = self.parking.sim
+            if sim is not None and name not in sim.recovered_jobs() and not any(entry["footprint"].values()):
+                return {**entry, "location": "resident"}  # it never allocated: nothing to find
+            if sim is None or name not in sim.recovered_jobs():
+                log.warning("job %r: its simulated state is gone (the node's shared memory was cleared)", name)
+                return None
+            state, footprint = sim.recovered_jobs()[name]
+            for info in sim.regions(name):
+                self._regions[(name, info.region)] = (info.gpu, sim.rounded(info.nbytes))
+            faulted = entry["faulted"] or ("its simulated state was damaged" if state == "faulted" else "")
+            where = state if state in ("resident", "parked") else "parked"
+            footprint_wire = {str(g): n for g, n in footprint.items()}
+            return {**entry, "location": where, "faulted": faulted, "footprint": footprint_wire}
+        if spec.method == "cuda-checkpoint":
+            backend = self.parking.backend("cuda-checkpoint")
+            target = JobTarget(name, (), tuple(entry["pids"]), spec)
+            try:
+                async with timeout(self.config.op_timeout):
+                    where = await backend.take_up(target, record)  # type: ignore[attr-defined]
+            except Exception as exc:  # its processes are in mixed states: an operator must look
+                return {**entry, "location": "resident", "faulted": f"taking it up after a restart failed: {exc}"}
+            return {**entry, "location": where}
+        # offload and engines: their state is in the job's processes; a move cut short is finished by a restore
+        return {**entry, "location": "parked" if location in ("parking", "restoring") else location}
+
+    def _crash_point(self, point: str) -> None:
+        """Fault injection for crash tests (``DaemonConfig.crash_at``): die here as ``kill -9`` would."""
+        if point in self.config.crash_at:
+            log.critical("crash point %s: killing the daemon", point)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     # --- offload directives ------------------------------------------------------------
 
@@ -611,28 +717,6 @@ async def _guarded(coro: Any) -> None:
         await coro
     except Exception:
         log.exception("a daemon task failed")
-
-
-def checked_pids(claimed: list[int], peer: Any) -> set[int]:
-    """The PIDs a connection may register for its job; raises ``BadRequest`` / ``PermissionDenied``.
-
-    The kernel's word (SO_PEERCRED) is always in. Other PIDs must exist and belong to the
-    peer's user, unless the peer is root. Over TCP the PIDs would be another machine's:
-    the job is followed through its connections alone.
-    """
-    if peer.pid is None:
-        return set()
-    pids = {peer.pid}
-    for pid in set(claimed) - pids:
-        if not 2 <= pid <= PID_MAX:
-            raise errors.BadRequest(f"PID {pid} is not a process id")
-        owner = owner_uid(pid)
-        if owner is None:
-            raise errors.BadRequest(f"no process {pid} on this node")
-        if peer.uid not in (0, owner):
-            raise errors.PermissionDenied(f"process {pid} belongs to another user")
-        pids.add(pid)
-    return pids
 
 
 MAX_ERROR_CHARS = 1024

@@ -63,6 +63,27 @@ def descendants(pids: Iterable[int]) -> set[int]:
     return found
 
 
+def descends_from(pid: int, ancestor: int) -> bool:
+    """True if ``pid`` is a live descendant of ``ancestor`` (a child, grandchild, ...), not ``ancestor`` itself.
+
+    Walks up the parents of ``pid`` in ``/proc``: a few reads, not a pass over
+    every process like ``descendants()``. A process whose parent exited has
+    been handed to a reaper and no longer descends from it. Without procfs
+    the answer is False.
+    """
+    seen: set[int] = set()
+    current = pid
+    while current > 1 and current not in seen:  # pid 1 (or 0, the kernel) ends every chain
+        seen.add(current)
+        parsed = _parent_and_state(str(current))
+        if parsed is None or (current == pid and parsed[1] in (b"Z", b"X")):
+            return False
+        current = parsed[0]
+        if current == ancestor:
+            return True
+    return False
+
+
 def _parent_and_state(pid: str) -> tuple[int, bytes] | None:
     """(ppid, state letter) from ``/proc/<pid>/stat``; None if the process is gone."""
     try:

@@ -3,6 +3,10 @@
 Each connection is isolated: a malformed or oversized frame, a stalled
 half-frame, a client that stops reading or a handler that blows up closes
 (or answers) that one connection and touches nothing else.
+
+A TCP connection must also prove the deployment's shared token before any
+request other than its hello is served (``authz``); Unix-socket connections
+are vouched for by the kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any, Protocol
 from .. import errors
 from ..wire.codec import FrameDecoder, encode
 from ..wire.messages import PROTOCOL_VERSION, Push, Reply, parse_request, request_id_of
+from .authz import new_challenge, proof_matches
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,13 @@ class Peer:
     uid: int | None = None
     address: str = ""
 
+    @property
+    def client(self) -> str:
+        """Who counts as one client for the connection limit: a process, or a remote host."""
+        if self.transport == "unix":
+            return f"process {self.pid}"
+        return f"host {self.address.rpartition(':')[0] or '?'}"
+
 
 @dataclass
 class Connection:
@@ -44,7 +56,14 @@ class Connection:
     max_frame: int
     max_write_buffer: int
     hello: dict[str, Any] | None = None
+    challenge: str | None = None  # set by a TCP hello; None again once the client proved the token
     closed: bool = False
+    heard_at: float = 0.0  # event-loop time of the last bytes from the client (its lease runs from here)
+
+    @property
+    def ready(self) -> bool:
+        """Said hello and, over TCP, proved the token: its requests are served."""
+        return self.hello is not None and self.challenge is None
 
     def send(self, message: dict[str, Any]) -> None:
         """Queue one frame; never blocks. A client that does not read is dropped."""
@@ -103,7 +122,11 @@ class ClientServer:
         max_write_buffer: int,
         node: str,
         backend: str,
+        token: str | None = None,
+        lease: float = 0.0,
+        max_per_client: int = 256,
     ) -> None:
+        """``token``: what TCP clients must prove (``start_tcp`` refuses to listen without one)."""
         self.handler = handler
         self.max_frame = max_frame
         self.max_connections = max_connections
@@ -112,8 +135,18 @@ class ClientServer:
         self.max_write_buffer = max_write_buffer
         self.node = node
         self.backend = backend
+        self._token = token
+        self.lease = lease  # a connection silent this long is closed (0: never); clients heartbeat
+        self.max_per_client = max_per_client  # connections from one process (Unix socket) or one host (TCP)
+        self._per_client: dict[str, int] = {}
         self.connections: dict[int, Connection] = {}
-        self.counters = {"accepted": 0, "refused": 0, "protocol_errors": 0, "internal_errors": 0}
+        self.counters = {
+            "accepted": 0,
+            "refused": 0,
+            "protocol_errors": 0,
+            "internal_errors": 0,
+            "auth_failures": 0,
+        }
         self._ids = itertools.count(1)
         self._servers: list[asyncio.Server] = []
         self.addresses: list[str] = []
@@ -132,7 +165,12 @@ class ClientServer:
         self.addresses.append(str(path))
 
     async def start_tcp(self, host: str, port: int) -> tuple[str, int]:
-        """Bind a TCP listener (port 0 picks one); returns the bound address."""
+        """Bind a TCP listener (port 0 picks one); returns the bound address.
+
+        Raises ``ValueError`` without a token: TCP clients are known by the token alone.
+        """
+        if not self._token:
+            raise ValueError("serving clients over TCP needs the shared token (--token-file or $TIMESLICED_TOKEN)")
         loop = asyncio.get_running_loop()
         server = await loop.create_server(lambda: _Wire(self, "tcp"), host=host, port=port, backlog=BACKLOG)
         self._servers.append(server)
@@ -148,6 +186,24 @@ class ClientServer:
         for server in self._servers:
             await server.wait_closed()
 
+    def expire_leases(self, now: float) -> list[Connection]:
+        """Close every introduced connection silent for longer than the lease; returns them."""
+        if not self.lease:
+            return []
+        quiet = [c for c in self.connections.values() if c.ready and now - c.heard_at > self.lease]
+        for conn in quiet:
+            self.counters["leases_expired"] = self.counters.get("leases_expired", 0) + 1
+            log.warning(
+                "connection %d (pid %s): silent for %.1fs, past its lease of %gs; closing it",
+                conn.id,
+                conn.peer.pid,
+                now - conn.heard_at,
+                self.lease,
+            )
+            conn.fail(None, errors.ConnectionLost(f"no heartbeat within the lease of {self.lease:g}s"))
+            conn.close()
+        return quiet
+
     def accept(self, transport: asyncio.Transport, kind: str) -> Connection | None:
         peer = Peer(kind)
         sock = transport.get_extra_info("socket")
@@ -160,25 +216,39 @@ class ClientServer:
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = Connection(next(self._ids), peer, transport, self.max_frame, self.max_write_buffer)
+        conn.heard_at = asyncio.get_running_loop().time()
+        client = peer.client
+        refusal = None
         if len(self.connections) >= self.max_connections:
+            refusal = f"the daemon already serves {self.max_connections} connections"
+        elif self._per_client.get(client, 0) >= self.max_per_client:
+            refusal = f"{client} already has {self.max_per_client} connections to this daemon"
+        if refusal is not None:
             self.counters["refused"] += 1
-            conn.fail(None, errors.LimitExceeded(f"the daemon already serves {self.max_connections} connections"))
+            conn.fail(None, errors.LimitExceeded(refusal))
             conn.close()
             return None
         self.counters["accepted"] += 1
         self.connections[conn.id] = conn
+        self._per_client[client] = self._per_client.get(client, 0) + 1
         return conn
 
     def lost(self, conn: Connection) -> None:
         conn.closed = True
-        self.connections.pop(conn.id, None)
-        if conn.hello is not None:
+        if self.connections.pop(conn.id, None) is not None:
+            left = self._per_client[conn.peer.client] - 1
+            if left:
+                self._per_client[conn.peer.client] = left
+            else:
+                del self._per_client[conn.peer.client]
+        if conn.ready:
             try:
                 self.handler.close_connection(conn)
             except Exception:
                 log.exception("connection %d: cleanup failed", conn.id)
 
     def received(self, conn: Connection, decoder: FrameDecoder, data: bytes) -> None:
+        conn.heard_at = asyncio.get_running_loop().time()
         try:
             messages = decoder.feed(data)
         except errors.ProtocolError as exc:
@@ -200,6 +270,9 @@ class ClientServer:
                     raise errors.HandshakeRequired("the first request must be 'hello'")
                 conn.reply(request.id, self._hello(conn, request.args))
                 return
+            if request.op == "auth" or conn.challenge is not None:
+                conn.reply(request.id, self._auth(conn, request.op, request.args))
+                return
             result = self.handler.handle_request(conn, request.id, request.op, request.args)
             if result is not DEFERRED:
                 conn.reply(request.id, result)
@@ -207,7 +280,8 @@ class ClientServer:
             if isinstance(exc, errors.ProtocolError):
                 self.counters["protocol_errors"] += 1
             conn.fail(rid, exc)
-            if isinstance(exc, (errors.HandshakeRequired, errors.VersionMismatch)):
+            refused = (errors.HandshakeRequired, errors.VersionMismatch, errors.PermissionDenied)
+            if isinstance(exc, refused) and not conn.ready:  # refused before it may ask anything: nothing to add
                 conn.close()
         except Exception as exc:
             self.counters["internal_errors"] += 1
@@ -221,7 +295,27 @@ class ClientServer:
         if args.get("role", "client") != "client":
             raise errors.BadRequest("this listener serves clients only")
         conn.hello = args
-        return {"version": PROTOCOL_VERSION, "node": self.node, "backend": self.backend, "session": conn.id}
+        reply = {"version": PROTOCOL_VERSION, "node": self.node, "backend": self.backend, "session": conn.id}
+        if self.lease:
+            reply["lease_s"] = self.lease
+        if conn.peer.transport == "tcp":
+            conn.challenge = reply["challenge"] = new_challenge()
+        return reply
+
+    def _auth(self, conn: Connection, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Check a TCP client's proof of the token; raises ``PermissionDenied`` (then the connection closes)."""
+        if conn.challenge is None:
+            raise errors.BadRequest("this connection is not asked to authenticate")
+        if op != "auth":
+            self.counters["auth_failures"] += 1
+            raise errors.PermissionDenied(f"authenticate first: {op!r} needs the shared token over TCP")
+        assert self._token is not None  # no TCP listener without one
+        if not proof_matches(self._token, conn.challenge, args.get("proof")):
+            self.counters["auth_failures"] += 1
+            log.warning("connection %d from %s: wrong token proof; closing", conn.id, conn.peer.address)
+            raise errors.PermissionDenied("wrong token proof: this daemon's clients over TCP need its shared token")
+        conn.challenge = None
+        return {}
 
 
 class _Wire(asyncio.Protocol):
@@ -255,8 +349,8 @@ class _Wire(asyncio.Protocol):
         # has started must finish.
         if conn.closed:
             self._disarm()
-        elif conn.hello is None:
-            pass  # the handshake timer keeps running
+        elif not conn.ready:
+            pass  # the handshake timer keeps running until hello (and, over TCP, the token proof)
         elif self.decoder.pending:
             if self.timer is None or self.timer_for != "finish its frame":
                 self._arm(self.server.stall_timeout, "finish its frame")

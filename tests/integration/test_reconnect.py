@@ -1,0 +1,97 @@
+"""Clients ride out a daemon restart: they reconnect, the holder gets the lock back first, waiters keep waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import timesliced
+from timesliced.config import DaemonConfig, default_sim_dir
+from timesliced.node.embedded import EmbeddedDaemon
+
+from ..conftest import wait_for
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Iterator[DaemonConfig]:
+    state = tmp_path / "state"
+    yield DaemonConfig(state_dir=state, backend="sim", gpus=1, gpu_memory=8 * MiB, bandwidth=0)
+    shutil.rmtree(default_sim_dir(state), ignore_errors=True)
+
+
+def restart(old: EmbeddedDaemon, config: DaemonConfig) -> EmbeddedDaemon:
+    old.stop()
+    return EmbeddedDaemon(config).start()
+
+
+def test_holder_gets_the_lock_back_first_and_the_waiter_keeps_waiting(config: DaemonConfig) -> None:
+    d = EmbeddedDaemon(config).start()
+    a = timesliced.Client(job="a", group="g", address=d.socket)
+    b = timesliced.Client(job="b", group="g", address=d.socket)
+    try:
+        a.acquire()
+        region = a.sim_alloc(6 * MiB)
+        region.fill(b"before the restart")
+        expected = region.checksum()
+        order: list[str] = []
+        waiter = threading.Thread(target=lambda: (b.acquire(timeout=30), order.append("b granted")))
+        waiter.start()
+        wait_for(lambda: [w["job"] for w in a.status()["groups"][0]["queue"]] == ["b"])
+        d = restart(d, config)
+        assert region.checksum() == expected  # the holder's bytes stayed resident through the restart
+        order.append("a releases")
+        a.release()
+        waiter.join(30)
+        assert order == ["a releases", "b granted"]
+        assert a.reconnects == 1 and b.reconnects == 1
+        (group,) = b.status()["groups"]
+        assert group["holder"] == "b"
+        b.sim_alloc(6 * MiB)  # room for it: a is parked
+        b.release()
+        assert a.acquire(timeout=10).restored  # a was parked for b: its bytes come back
+        assert region.checksum() == expected
+        a.release()
+    finally:
+        a.close()
+        b.close()
+        d.stop()
+
+
+def test_async_client_reconnects_and_keeps_its_hold(config: DaemonConfig) -> None:
+    d = EmbeddedDaemon(config).start()
+
+    async def scenario() -> EmbeddedDaemon:
+        c = timesliced.AsyncClient(job="a", group="g", address=d.socket)
+        await c.connect()
+        await c.acquire()
+        region = await c.sim_alloc(MiB)
+        region.fill(b"async")
+        expected = region.checksum()
+        restarted = await asyncio.get_running_loop().run_in_executor(None, restart, d, config)
+        result = await c.release()  # waits for the reconnection, which takes the lock back first
+        assert result["group"] == "g" and c.reconnects == 1
+        assert region.checksum() == expected
+        (group,) = (await c.status())["groups"]
+        assert group["holder"] is None
+        await c.close()
+        return restarted
+
+    d = asyncio.run(scenario())
+    d.stop()
+
+
+def test_without_reconnect_a_lost_daemon_is_an_error(config: DaemonConfig) -> None:
+    d = EmbeddedDaemon(config).start()
+    a = timesliced.Client(job="a", group="g", address=d.socket, reconnect=0)
+    a.acquire()
+    d.stop()
+    with pytest.raises(timesliced.errors.ConnectionLost):
+        a.release()
+    a.close()
