@@ -152,7 +152,20 @@ class EvolvingSource:
                     "holder": holder,
                     "held_s": now - self.held_since[name] if holder else None,
                     "fence": self.fence[name],
-                    "queue": [{"job": j, "waited_s": now - t, "requests": 1} for j, t in self.queue[name]],
+                    "queue": [
+                        {
+                            "job": j,
+                            "waited_s": now - t,
+                            "requests": 1,
+                            "preempted": i == 0 and name == "pool",
+                            "kept_for_s": 12.0 if i == 1 else None,
+                        }
+                        for i, (j, t) in enumerate(self.queue[name])
+                    ],
+                    "max_slice_s": 300.0 if name == "pool" else None,
+                    "slice_action": "preempt" if name == "pool" else None,
+                    "overdue_s": 4.0 if name == "pool" and holder else None,
+                    "preemptions": 2 if name == "pool" else 0,
                     "switching_to": None,
                     "grants": self.fence[name],
                     "switches": self.switches if name == "pool" else 0,

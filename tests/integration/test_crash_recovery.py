@@ -84,7 +84,7 @@ def daemon(tmp_path: Path) -> Daemon:
 def test_kill_9_at_each_step_of_a_switch(daemon: Daemon, tmp_path: Path, point: str) -> None:
     daemon.start(crash_at=point)
     logs = {job: tmp_path / f"{job}.jsonl" for job in ("A", "B")}
-    workers = {job: spawn_worker(job, "g", daemon.socket, 8.0, SIZE, log) for job, log in logs.items()}
+    workers = {job: spawn_worker(job, "g", daemon.socket, 5.0, SIZE, log) for job, log in logs.items()}
     try:
         assert daemon.wait_dead(timeout=30) == -signal.SIGKILL, daemon.log()[-3000:]
         killed_at = time.monotonic()

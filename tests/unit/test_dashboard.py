@@ -77,9 +77,13 @@ def sample_status() -> dict[str, Any]:
                 "held_s": 12.5,
                 "fence": 7,
                 "queue": [
-                    {"job": "rl-math", "waited_s": 3.25, "requests": 1},
-                    {"job": "rl-code", "waited_s": 1.5, "requests": 2},
+                    {"job": "rl-math", "waited_s": 3.25, "requests": 1, "preempted": True},
+                    {"job": "rl-code", "waited_s": 1.5, "requests": 2, "kept_for_s": 12.0},
                 ],
+                "max_slice_s": 300.0,
+                "slice_action": "preempt",
+                "overdue_s": 4.0,
+                "preemptions": 2,
                 "switching_to": None,
                 "grants": 7,
                 "switches": 4,
@@ -364,6 +368,11 @@ def test_group_page_shows_the_lock_queue_and_switch_figures() -> None:
         queue = queue[: queue.index("</tbody>")]
         assert queue.index("rl-math") < queue.index("rl-code")
         assert "3.3 s" in queue and "1.5 s" in queue
+        assert '<span class="badge preempted">preempted</span>' in queue and "turn kept 12.0 s" in queue
+        slice_row = html[html.index("<dt>Maximum slice</dt>") :]
+        slice_row = slice_row[: slice_row.index("</dd>")]
+        assert f"{fmt_duration(300.0)}, then preempt" in slice_row and "overdue 4.0 s" in slice_row
+        assert "(2 preempted)" in slice_row
         assert 'data-action="release"' in html and 'class="actions admin-only"' in html
         assert TOKEN not in html
 

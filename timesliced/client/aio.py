@@ -7,6 +7,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -249,8 +250,11 @@ class AsyncClient:
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError("nbytes must be a positive integer")
         region = SimRegion.open(RegionInfo.from_wire(await self._call("sim_alloc", {"nbytes": nbytes, "gpu": gpu})))
-        if self.parked_access == "wait":  # an access blocks its thread: run it off the event loop
-            region.hold = lambda: self.lock.preempted is not None
+        if self.parked_access == "wait":
+            # An access waits by blocking its thread; on the event loop's own thread it would block
+            # the very push that ends the wait, so there it raises NotResident instead.
+            loop_thread = threading.get_ident()
+            region.hold = lambda: self.lock.preempted is not None and threading.get_ident() != loop_thread
         return region
 
     async def sim_free(self, region: Any) -> None:
