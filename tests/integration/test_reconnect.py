@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 import timesliced
+from timesliced.client.sync import daemon_status
 from timesliced.config import DaemonConfig, default_sim_dir
 from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.node.journal import Journal
 
 from ..conftest import wait_for
 
@@ -95,3 +97,24 @@ def test_without_reconnect_a_lost_daemon_is_an_error(config: DaemonConfig) -> No
     with pytest.raises(timesliced.errors.ConnectionLost):
         a.release()
     a.close()
+
+
+def test_simulated_state_that_no_journaled_job_owns_is_reclaimed(config: DaemonConfig) -> None:
+    d = EmbeddedDaemon(config).start()
+    c = timesliced.Client(job="x", group="g", address=d.socket, reconnect=0)
+    c.acquire()
+    c.sim_alloc(MiB)
+    c.release()
+    d.stop()
+    c.close()
+    # As if the last run died while reclaiming x: its journal no longer lists it.
+    journal = Journal(config.state_dir)
+    assert journal.load() is not None
+    journal.save({"jobs": [], "turns": {}, "fences": {}, "park": {}})
+    journal.close()
+    d = EmbeddedDaemon(config).start()
+    try:
+        assert daemon_status(d.socket)["jobs"] == []
+        assert not list((config.resolved_sim_dir() / "jobs").glob("*.ctl"))
+    finally:
+        d.stop()

@@ -642,6 +642,10 @@ class Daemon:
                 kept.append(settled)
                 self._park[name] = spec
                 log.info("took up job %r from the last run: %s", name, settled["location"])
+        # Simulated state the journal does not know is a reclaim that the last run did not finish.
+        for job in set(recovered) - {entry["job"] for entry in kept}:
+            log.warning("reclaiming simulated state of job %r: no job of the journal owns it", job)
+            await sim.reclaim(job)
         self.cluster.restore({**picture, "jobs": kept}, self._now(), self.config.recovery_grace)
         self._save_journal()
 
@@ -650,12 +654,13 @@ class Daemon:
         name, location = entry["job"], entry["location"]
         if spec.method == "sim":
             sim = self.parking.sim
-            if sim is not None and name not in sim.recovered_jobs() and not any(entry["footprint"].values()):
-                return {**entry, "location": "resident"}  # it never allocated: nothing to find
-            if sim is None or name not in sim.recovered_jobs():
+            recovered = sim.recovered_jobs() if sim is not None else {}
+            if name not in recovered:
+                if sim is not None and not any(entry["footprint"].values()):
+                    return {**entry, "location": "resident"}  # it never allocated: nothing to find
                 log.warning("job %r: its simulated state is gone (the node's shared memory was cleared)", name)
                 return None
-            state, footprint = sim.recovered_jobs()[name]
+            state, footprint = recovered[name]
             for info in sim.regions(name):
                 self._regions[(name, info.region)] = (info.gpu, sim.rounded(info.nbytes))
             faulted = entry["faulted"] or ("its simulated state was damaged" if state == "faulted" else "")
