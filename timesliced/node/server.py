@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from .. import errors
 from ..wire.codec import FrameDecoder, encode
-from ..wire.messages import PROTOCOL_VERSION, Push, Reply, parse_request, request_id_of
+from ..wire.messages import PROTOCOL_VERSION, Push, Reply, parse_request, quoted, request_id_of
 from .authz import new_challenge, proof_matches
 
 log = logging.getLogger(__name__)
@@ -249,17 +249,15 @@ class ClientServer:
 
     def received(self, conn: Connection, decoder: FrameDecoder, data: bytes) -> None:
         conn.heard_at = asyncio.get_running_loop().time()
-        try:
-            messages = decoder.feed(data)
-        except errors.ProtocolError as exc:
-            self.counters["protocol_errors"] += 1
-            conn.fail(None, exc)  # the stream cannot be resynchronised: answer, then close
-            conn.close()
-            return
-        for message in messages:
+        messages, error = decoder.feed_until_error(data)
+        for message in messages:  # the requests before a broken frame are answered first
             self._dispatch(conn, message)
             if conn.closed:
                 return
+        if error is not None:
+            self.counters["protocol_errors"] += 1
+            conn.fail(None, error)  # the stream cannot be resynchronised: answer, then close
+            conn.close()
 
     def _dispatch(self, conn: Connection, message: dict[str, Any]) -> None:
         rid = request_id_of(message)
@@ -291,7 +289,7 @@ class ClientServer:
     def _hello(self, conn: Connection, args: dict[str, Any]) -> dict[str, Any]:
         version = args.get("version")
         if version != PROTOCOL_VERSION:
-            raise errors.VersionMismatch(f"daemon speaks protocol {PROTOCOL_VERSION}, client sent {version!r}")
+            raise errors.VersionMismatch(f"daemon speaks protocol {PROTOCOL_VERSION}, client sent {quoted(version)}")
         if args.get("role", "client") != "client":
             raise errors.BadRequest("this listener serves clients only")
         conn.hello = args

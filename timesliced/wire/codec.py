@@ -1,8 +1,9 @@
 """Length-prefixed msgpack framing (pure, no I/O).
 
 A frame is a 4-byte big-endian length followed by that many bytes holding one
-msgpack map. ``FrameDecoder`` takes bytes as they arrive from a socket and
-returns whole messages; it never buffers more than one maximum-size frame.
+msgpack map, nested at most ``MAX_DEPTH`` levels. ``FrameDecoder`` takes bytes
+as they arrive from a socket and returns whole messages; it never buffers more
+than one maximum-size frame.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from ..errors import FrameTooLarge, MalformedMessage
 
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 1 << 20  # 1 MiB: requests are small; regions travel as metadata only
+# The deepest message of the protocol (a status reply) nests 6 levels. msgpack itself decodes
+# up to 1024, deep enough that a repr() or any other recursive walk of such a value raises
+# RecursionError wherever it happens (an error message, a log line, a comparison).
+MAX_DEPTH = 32
 
 
 def encode(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
@@ -27,14 +32,36 @@ def encode(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) -> bytes
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
-    """The map held by one frame body; raises ``MalformedMessage``."""
+    """The map held by one frame body; raises ``MalformedMessage``.
+
+    The map and everything in it nest at most ``MAX_DEPTH`` levels of maps and lists.
+    """
     try:
         obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise MalformedMessage(f"frame is not valid msgpack: {exc.__class__.__name__}") from None
     if not isinstance(obj, dict):
         raise MalformedMessage(f"frame holds a {type(obj).__name__}, expected a map")
+    if _deeper_than(obj, MAX_DEPTH):
+        raise MalformedMessage(f"frame nests maps and lists deeper than {MAX_DEPTH} levels")
     return obj
+
+
+def _deeper_than(obj: dict[str, Any], limit: int) -> bool:
+    """Whether maps and lists nest more than ``limit`` levels in ``obj`` (a map: level 1).
+
+    Iterative, so that it cannot hit the recursion limit itself. Keys need no look:
+    ``strict_map_key`` admits only strings and bytes.
+    """
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        container, level = stack.pop()
+        for child in container.values() if isinstance(container, dict) else container:
+            if isinstance(child, (dict, list)):
+                if level == limit:
+                    return True
+                stack.append((child, level + 1))
+    return False
 
 
 class FrameDecoder:
@@ -61,15 +88,25 @@ class FrameDecoder:
         frame (before its body arrives) and ``MalformedMessage`` for a body
         that is not a msgpack map.
         """
+        messages, error = self.feed_until_error(data)
+        if error is not None:
+            raise error
+        return messages
+
+    def feed_until_error(self, data: bytes) -> tuple[list[dict[str, Any]], FrameTooLarge | MalformedMessage | None]:
+        """Like ``feed``, but the messages before a broken frame come back with its error.
+
+        A server answers those requests, then the error, however the bytes were split.
+        """
         if self._broken:
-            raise MalformedMessage("stream already failed to decode")
+            return [], MalformedMessage("stream already failed to decode")
         self._buf += data
         out: list[dict[str, Any]] = []
         while len(self._buf) >= HEADER.size:
             (size,) = HEADER.unpack_from(self._buf)
             if size > self.max_frame:
                 self._broken = True
-                raise FrameTooLarge(f"frame of {size} bytes exceeds the limit of {self.max_frame} bytes")
+                return out, FrameTooLarge(f"frame of {size} bytes exceeds the limit of {self.max_frame} bytes")
             end = HEADER.size + size
             if len(self._buf) < end:
                 break
@@ -77,7 +114,7 @@ class FrameDecoder:
             del self._buf[:end]
             try:
                 out.append(decode_body(body))
-            except MalformedMessage:
+            except MalformedMessage as exc:
                 self._broken = True
-                raise
-        return out
+                return out, exc
+        return out, None

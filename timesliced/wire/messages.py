@@ -12,6 +12,8 @@ Every connection starts with a ``hello`` request carrying the protocol version.
 
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,14 @@ from ..errors import BadRequest, MalformedMessage, TimeslicedError, from_wire, t
 
 PROTOCOL_VERSION = 1
 MAX_REQUEST_ID = (1 << 63) - 1
+MAX_OP_CHARS = 64  # op names are short; a longer one is refused before any error message quotes it
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring = _QUOTE.maxother = 60
+
+
+def quoted(value: Any) -> str:
+    """A client's value for an error message: its repr, cut short, so no reply outgrows a frame."""
+    return _QUOTE.repr(value)
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ def parse_request(msg: dict[str, Any]) -> Request:
     op = msg.get("op")
     if not isinstance(op, str) or not op:
         raise BadRequest("request 'op' must be a non-empty string", id=rid)
+    if len(op) > MAX_OP_CHARS:
+        raise BadRequest(f"request 'op' is longer than {MAX_OP_CHARS} characters", id=rid)
     args = msg.get("args", {})
     if not isinstance(args, dict):
         raise BadRequest("request 'args' must be a map", id=rid)
@@ -115,9 +127,15 @@ def arg_opt_float(args: dict[str, Any], name: str) -> float | None:
     value = args.get(name)
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or value == float("inf"):
+    number = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond every float is not a finite number either
+            number = math.inf
+    if not number >= 0 or number == math.inf:
         raise BadRequest(f"argument '{name}' must be a finite number >= 0 or null")
-    return float(value)
+    return number
 
 
 def arg_int_list(args: dict[str, Any], name: str, *, max_len: int = 1024) -> list[int] | None:
