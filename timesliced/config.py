@@ -48,12 +48,17 @@ CRASH_POINTS = (
 )
 
 
-def parse_crash_points(text: str) -> frozenset[str]:
-    """``"before-snapshot,after-grant"`` -> the set; raises ``ValueError`` for an unknown point."""
-    points = frozenset(p.strip() for p in text.split(",") if p.strip())
-    unknown = sorted(points - set(CRASH_POINTS))
-    if unknown:
-        raise ValueError(f"unknown crash point(s) {unknown} in ${CRASH_AT_ENV} (known: {', '.join(CRASH_POINTS)})")
+def parse_crash_points(text: str) -> dict[str, int]:
+    """``"before-snapshot,at-grant@3"`` -> point -> the how-manieth time it fires (default the first).
+
+    Raises ``ValueError`` for an unknown point or a bad count.
+    """
+    points: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        point, _, nth = item.partition("@")
+        if point not in CRASH_POINTS or not (nth or "1").isdigit() or int(nth or "1") < 1:
+            raise ValueError(f"not a crash point: {item!r} in ${CRASH_AT_ENV} (known: {', '.join(CRASH_POINTS)}[@N])")
+        points[point] = int(nth or "1")
     return points
 
 
@@ -205,7 +210,7 @@ class DaemonConfig:
     recovery_grace: float = 30.0  # after a restart, how long the jobs of the journal keep their turns
     # Fault injection for crash tests: points at which the daemon kills itself with SIGKILL
     # (CRASH_POINTS: before, in the middle of and after a snapshot or a restore; as a grant is made).
-    crash_at: frozenset[str] = field(default_factory=lambda: parse_crash_points(os.environ.get(CRASH_AT_ENV, "")))
+    crash_at: dict[str, int] = field(default_factory=lambda: parse_crash_points(os.environ.get(CRASH_AT_ENV, "")))
 
     def resolved_socket(self) -> Path:
         return self.socket_path or default_socket_path(self.state_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -13,7 +14,7 @@ import timesliced
 from timesliced import errors
 from timesliced.node.embedded import EmbeddedDaemon
 
-from ..conftest import Raw
+from ..conftest import Raw, run_python, wait_for
 
 
 @pytest.fixture
@@ -149,8 +150,34 @@ def test_thousands_of_connections_open_and_close(daemon: EmbeddedDaemon, bystand
     for h in held:
         h.close()
     assert_bystander_fine(bystander)
-    status = bystander.status()
-    assert status["counters"]["accepted"] >= 2200
+    counters = bystander.status()["counters"]
+    # All from this one process: past 256 at once it is refused (the daemon accepts a burst of
+    # connections before it sees the earlier ones close), and every one is answered either way.
+    assert counters["accepted"] + counters["refused"] >= 2200
+    wait_for(lambda: len(daemon.daemon.server.connections) <= 2)  # the bystander (and its status call)
+    late = Raw(daemon.socket)  # the limit counts open connections only
+    late.hello()
+    late.close()
+
+
+def test_connection_limit_per_client_process(tmp_path: object) -> None:
+    with EmbeddedDaemon(gpus=1, gpu_memory=8 << 20, max_connections_per_client=4) as d:
+        held = [Raw(d.socket) for _ in range(4)]
+        for h in held:
+            h.hello()
+        extra = Raw(d.socket)
+        reply = extra.recv()
+        assert reply is not None and reply["error"]["code"] == "limit_exceeded"
+        assert f"process {os.getpid()} already has 4 connections" in reply["error"]["message"]
+        assert extra.closed()
+        extra.close()
+        other = run_python(  # another process is not held back by this one
+            "import sys, timesliced; print(timesliced.Client(job='o', group='g', address=sys.argv[1]).status())",
+            d.socket,
+        )
+        assert other.returncode == 0, other.stderr
+        for h in held:
+            h.close()
 
 
 def test_connection_limit(tmp_path: object) -> None:

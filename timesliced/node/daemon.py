@@ -33,7 +33,7 @@ from ..core.events import DrainRequested, ForceReleaseRequested
 from ..core.history import GroupView, History
 from ..metrics import Metrics
 from ..telemetry import SimGpuSource, SwitchLog, Telemetry
-from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
+from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str, quoted
 from .authz import checked_pids
 from .compat import TaskGroup, timeout
 from .journal import Journal
@@ -44,6 +44,7 @@ from .view import DaemonView
 
 log = logging.getLogger(__name__)
 
+JOURNAL_DELAY_S = 0.02  # how stale the journal's holders and queues may be (moves are written before they start)
 MID_MOVE_S = 0.05  # a "mid-" crash point fires this long into the move (give it a slow bandwidth)
 WEB_SHUTDOWN_S = 2.0  # open dashboard streams get this long to end when the daemon stops
 
@@ -72,6 +73,8 @@ class Daemon:
         )
         self.journal = Journal(config.state_dir)
         self._journal_due = False
+        self._journal_frozen = False  # set once stopping: see run()
+        self._crashes: dict[str, int] = {}  # crash point -> times reached (fault injection)
         self.peers: PeerTransport | None = None
         self.server = ClientServer(
             self,
@@ -146,6 +149,9 @@ class Daemon:
                 if ready is not None:
                     ready(self)
                 await self._stopping.wait()
+                # The state to come back to is the one at the stop, not what closing connections undo.
+                self._save_journal()
+                self._journal_frozen = True
                 # Stop listening and drop the connections while nothing new can start:
                 # sessions that close now must not begin moves on the way out.
                 await self._close_front()
@@ -432,11 +438,12 @@ class Daemon:
             return call(*args)
         finally:
             effects = self.cluster.drain()
-            if any(isinstance(e, RunMove) for e in effects):
+            if any(isinstance(e, RunMove) and e.kind != "reclaim" for e in effects):
                 self._save_journal()  # what a switch is about to do is on record before it starts
             elif not self._journal_due and self._loop is not None:
+                # Grants, queues and registrations: coalesced, so a burst of them costs one write.
                 self._journal_due = True
-                self._loop.call_soon(self._save_journal)
+                self._loop.call_later(JOURNAL_DELAY_S, self._save_journal)
             self._apply(effects)
             self._rearm_timer()
             self._after_step()
@@ -607,8 +614,8 @@ class Daemon:
 
     def _save_journal(self) -> None:
         self._journal_due = False
-        if self._stopping.is_set():
-            return  # what closing connections undo on the way out is not the state to come back to
+        if self._journal_frozen:
+            return
         picture = self.cluster.durable(self._now())
         jobs = self.cluster.jobs
         picture["park"] = {job: park_to_wire(spec) for job, spec in self._park.items() if job in jobs}
@@ -682,8 +689,10 @@ class Daemon:
     def _crash_point(self, point: str) -> None:
         """Fault injection for crash tests (``DaemonConfig.crash_at``): die here as ``kill -9`` would."""
         if point in self.config.crash_at:
-            log.critical("crash point %s: killing the daemon", point)
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._crashes[point] = seen = self._crashes.get(point, 0) + 1
+            if seen == self.config.crash_at[point]:
+                log.critical("crash point %s: killing the daemon", point)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     # --- offload directives ------------------------------------------------------------
 
@@ -741,7 +750,7 @@ def parse_offload_done(args: dict[str, Any], gpus: set[int]) -> dict[str, Any]:
     checked: dict[str, int] = {}
     for gpu, n in footprint.items():
         if not (isinstance(gpu, str) and gpu.isdigit() and int(gpu) in gpus):
-            raise errors.BadRequest(f"'footprint' names GPU {gpu!r}, which this node does not have")
+            raise errors.BadRequest(f"'footprint' names GPU {quoted(gpu)}, which this node does not have")
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise errors.BadRequest("'footprint' byte counts must be non-negative integers")
         checked[gpu] = n
