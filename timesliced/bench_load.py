@@ -43,7 +43,10 @@ has finished its last round (a job starts no acquire past ``seconds``).
   daemon's CPU time (user and system, every thread) over the window, from
   ``/proc/PID/stat``.
 - ``rss_start_mb`` / ``rss_end_mb``: the daemon's resident memory at both ends
-  of the window, from ``/proc/PID/status``.
+  of the window, from ``/proc/PID/status``. It includes the pages of the
+  simulated GPUs' shared memory that the daemon's copies touched, which grow
+  until every page was copied once; ``rss_anon_start_mb`` / ``rss_anon_end_mb``
+  are the private part alone (the heap), where a leak would show.
 
 Any errors, data errors, lost grants or double grants make ``failed()`` true
 (and the command exit non-zero).
@@ -340,6 +343,7 @@ class Fleet:
 class ProcessSample:
     cpu_s: float  # user + system, every thread
     rss_bytes: int
+    anon_bytes: int  # the private part of the resident memory (heap, stacks): where a leak would show
 
 
 def sample_process(pid: int) -> ProcessSample:
@@ -348,8 +352,8 @@ def sample_process(pid: int) -> ProcessSample:
     fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
     ticks = int(fields[11]) + int(fields[12])  # utime and stime, fields 14 and 15 of proc(5)
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    rss_kb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    return ProcessSample(ticks / os.sysconf("SC_CLK_TCK"), rss_kb * 1024)
+    kib = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS:", "RssAnon:"))}
+    return ProcessSample(ticks / os.sysconf("SC_CLK_TCK"), kib["VmRSS"] * 1024, kib["RssAnon"] * 1024)
 
 
 @dataclass(frozen=True)
@@ -463,6 +467,8 @@ def summarize(
         "daemon_cpu_ms_per_op": 1000 * cpu_s / len(measured) if measured else None,
         "rss_start_mb": before.process.rss_bytes / MiB,
         "rss_end_mb": after.process.rss_bytes / MiB,
+        "rss_anon_start_mb": before.process.anon_bytes / MiB,
+        "rss_anon_end_mb": after.process.anon_bytes / MiB,
         "error_messages": sorted({m for s in reported for m in s["messages"]}) + list(notes),
     }
 

@@ -101,6 +101,7 @@ class Client:
         self._ready = threading.Event()  # connected and registered: requests may go out
         self._closing = False
         self._reached = False  # the last connection attempt reached a daemon
+        self._heartbeats = 0  # heartbeat threads started (the latest one runs)
         self._requests: dict[int, tuple[str, dict[str, Any] | None]] = {}  # pending rid -> what to re-send
         self._lock = threading.Lock()  # guards the socket's send side, _pending and _proto ids
         self._connect_lock = threading.Lock()
@@ -165,8 +166,9 @@ class Client:
             raise
         self._ready.set()
         if self._lease:
+            self._heartbeats += 1  # a thread of an earlier connect() (closed since) sees this and ends
             name = f"timesliced-heartbeat-{self.job}"
-            threading.Thread(target=self._heartbeat, args=(sock,), name=name, daemon=True).start()
+            threading.Thread(target=self._heartbeat, args=(self._heartbeats,), name=name, daemon=True).start()
 
     def _handshake(self) -> None:
         """Hello, the token proof over TCP, and the job's registration, on a new connection."""
@@ -479,11 +481,11 @@ class Client:
         except OSError as exc:
             raise errors.ConnectionLost(f"lost the daemon during {op!r}: {exc}") from None
 
-    def _heartbeat(self, sock: socket.socket) -> None:
-        """Tell the daemon we are alive while the connection lasts (a reconnection starts a new one)."""
-        while self._lease and not self._closing:
+    def _heartbeat(self, generation: int) -> None:
+        """Tell the daemon we are alive, every third of its lease, until ``close()`` (reconnections included)."""
+        while self._lease and not self._closing and generation == self._heartbeats:
             time.sleep(self._lease / 3)
-            if self._sock is None or self._closing:
+            if self._sock is None or self._closing or generation != self._heartbeats:
                 return
             if self._ready.is_set():
                 try:

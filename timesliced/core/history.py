@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass
+@dataclass(slots=True)  # up to max_spans of these are kept: no per-instance dict
 class Span:
     group: str
     job: str
@@ -35,7 +35,7 @@ class GroupView:
     switching_to: str | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     id: int
     t: float
