@@ -160,6 +160,15 @@ def test_thousands_of_connections_open_and_close(daemon: EmbeddedDaemon, bystand
     late.close()
 
 
+def test_request_id_0_is_reserved_for_acquires(raw: Raw, bystander: timesliced.Client) -> None:
+    raw.hello()
+    assert raw.call(1, "register", {"job": "j", "group": "g"})["ok"]
+    reply = raw.call(0, "acquire", {})  # the scheduler's own requests (a preempted job queued again) use 0
+    assert reply["error"]["code"] == "bad_request" and "reserved" in reply["error"]["message"]
+    assert raw.call(2, "ping")["ok"]
+    assert_bystander_fine(bystander)
+
+
 def test_connection_limit_per_client_process(tmp_path: object) -> None:
     with EmbeddedDaemon(gpus=1, gpu_memory=8 << 20, max_connections_per_client=4) as d:
         held = [Raw(d.socket) for _ in range(4)]

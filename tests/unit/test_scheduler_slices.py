@@ -157,3 +157,15 @@ def test_kept_turn_of_a_job_that_exits_goes_with_it(h: Harness) -> None:
     waiting(h, "C")
     h.handle(JobExited("A"))
     assert only(h.drain(), GrantLock)[0].job == "C"
+
+
+def test_one_job_may_have_only_so_many_acquires_waiting(h: Harness) -> None:
+    from timesliced import errors
+    from timesliced.core.events import AcquireRequested
+    from timesliced.core.scheduler import MAX_REQUESTS_PER_JOB
+
+    holding(h, "A")
+    b = h.register("B")
+    for _ in range(MAX_REQUESTS_PER_JOB):
+        h.acquire(b)
+    h.fails(AcquireRequested(b, 10**6), errors.LimitExceeded, "already has 256 acquires waiting")
