@@ -29,6 +29,8 @@ KEYS = {
     "daemon_cpu_s",
     "rss_start_mb",
     "rss_end_mb",
+    "rss_anon_start_mb",
+    "rss_anon_end_mb",
 }
 
 
@@ -78,7 +80,7 @@ def grant(job: str, fence: int, start: float, end: float, group: str = "g") -> d
 
 
 def sample(cpu_s: float, fences: dict[str, int]) -> DaemonSample:
-    return DaemonSample(ProcessSample(cpu_s, 40 * MiB), fences, dict.fromkeys(fences, 0))
+    return DaemonSample(ProcessSample(cpu_s, 40 * MiB, 30 * MiB), fences, dict.fromkeys(fences, 0))
 
 
 def test_summary_counts_each_kind_of_failure() -> None:
