@@ -280,36 +280,28 @@ class Wire:
 
     def reply_to(self, rid: int, timeout: float = REPLY_TIMEOUT) -> dict[str, Any]:
         """The reply to request ``rid``; other messages are stashed."""
+        return self._take(lambda m: m.get("id") == rid and "push" not in m, f"request {rid}", "answering", timeout)
+
+    def push(self, event: str) -> dict[str, Any]:
+        """The data of the next push ``event``; other messages are stashed."""
+        message = self._take(lambda m: m.get("push") == event, f"push {event!r}", "pushing it", REPLY_TIMEOUT)
+        return dict(message["data"])
+
+    def _take(self, wanted: Callable[[dict[str, Any]], bool], what: str, doing: str, timeout: float) -> dict[str, Any]:
+        """The first message (stashed, or arriving within ``timeout``) that is ``wanted``; others are stashed."""
         for i, m in enumerate(self.stash):
-            if m.get("id") == rid and "push" not in m:
+            if wanted(m):
                 return self.stash.pop(i)
         deadline = time.monotonic() + timeout
         while True:
             try:
                 message = self.next_message(deadline)
             except FuzzFailure as exc:
-                raise FuzzFailure(f"request {rid}: {exc}") from None
+                raise FuzzFailure(f"{what}: {exc}") from None
             if message is None:
-                raise FuzzFailure(f"the daemon closed the connection instead of answering request {rid}")
-            if message.get("id") == rid and "push" not in message:
+                raise FuzzFailure(f"the daemon closed the connection instead of {doing} ({what})")
+            if wanted(message):
                 return message
-            self.stash.append(message)
-
-    def push(self, event: str) -> dict[str, Any]:
-        """The data of the next push ``event``; other messages are stashed."""
-        for i, m in enumerate(self.stash):
-            if m.get("push") == event:
-                return dict(self.stash.pop(i)["data"])
-        deadline = time.monotonic() + REPLY_TIMEOUT
-        while True:
-            try:
-                message = self.next_message(deadline)
-            except FuzzFailure as exc:
-                raise FuzzFailure(f"push {event!r}: {exc}") from None
-            if message is None:
-                raise FuzzFailure(f"the daemon closed the connection instead of pushing {event!r}")
-            if message.get("push") == event:
-                return dict(message["data"])
             self.stash.append(message)
 
     def quiet(self, rid: int, wait: float = 0.05) -> bool:
