@@ -212,6 +212,8 @@ class StatusCollector:
         }
         f.info.add_metric([], info)
         f.connections.add_metric([], float(status.get("connections", 0)))
+        for event, n in sorted((status.get("counters") or {}).items()):
+            f.connection_events.add_metric([event], float(n))
         f.uptime.add_metric([], float(status.get("uptime_s", 0.0)))
         for g in status.get("groups", ()):
             _add_group(f, g)
@@ -236,6 +238,12 @@ class _Families:
         self.info = InfoMetricFamily("timesliced", "The daemon.", labels=[])
         self.connections = GaugeMetricFamily("timesliced_connections", "Open client connections.")
         self.uptime = GaugeMetricFamily("timesliced_uptime_seconds", "Seconds since the daemon started.")
+        self.connection_events = CounterMetricFamily(
+            "timesliced_connection_events",
+            "Client connections accepted and refused, protocol errors, internal errors, failed token proofs "
+            "(auth_failures) and connections closed for silence (leases_expired).",
+            labels=["event"],
+        )
 
         def group_gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=["group", *labels])
@@ -253,6 +261,12 @@ class _Families:
         self.bytes_moved = group_counter("timesliced_group_bytes_moved", "Bytes parked and restored for the group.")
         self.deferred = group_counter(
             "timesliced_group_deferred_snapshots", "Times the group's next switch had to wait for memory."
+        )
+        self.preemptions = group_counter(
+            "timesliced_group_preemptions", "Holders parked past the group's maximum slice and queued again."
+        )
+        self.overdue = group_gauge(
+            "timesliced_group_overdue_seconds", "How long the holder has kept the group past its maximum slice."
         )
 
         def gpu_gauge(name: str, doc: str) -> GaugeMetricFamily:
@@ -299,6 +313,9 @@ def _add_group(f: _Families, g: Mapping[str, Any]) -> None:
     f.switches.add_metric([name], float(g.get("switches", 0)))
     f.bytes_moved.add_metric([name], float(g.get("bytes_moved", 0)))
     f.deferred.add_metric([name], float(g.get("deferred", 0)))
+    f.preemptions.add_metric([name], float(g.get("preemptions", 0)))
+    if g.get("overdue_s") is not None:
+        f.overdue.add_metric([name], float(g["overdue_s"]))
 
 
 def _add_gpus(f: _Families, devices: Iterable[Mapping[str, Any]], telemetry: Iterable[Mapping[str, Any]]) -> None:

@@ -146,6 +146,12 @@ EXPECTED_STATUS_SERIES: dict[str, dict[Labels, float]] = {
     "timesliced_info": {frozenset({("node", "vm"), ("version", "0.1.0"), ("backend", "sim")}): 1.0},
     "timesliced_connections": {frozenset(): 3.0},
     "timesliced_uptime_seconds": {frozenset(): 12.5},
+    "timesliced_connection_events_total": {
+        frozenset({("event", "accepted")}): 3.0,
+        frozenset({("event", "refused")}): 0.0,
+        frozenset({("event", "protocol_errors")}): 0.0,
+        frozenset({("event", "internal_errors")}): 0.0,
+    },
     "timesliced_group_queue_depth": {frozenset({("group", "pool")}): 2.0},
     "timesliced_group_holder": {frozenset({("group", "pool"), ("job", "sft-chat")}): 1.0},
     "timesliced_group_state": {
@@ -161,6 +167,7 @@ EXPECTED_STATUS_SERIES: dict[str, dict[Labels, float]] = {
     "timesliced_group_switches_total": {frozenset({("group", "pool")}): 0.0},
     "timesliced_group_bytes_moved_total": {frozenset({("group", "pool")}): 41943040.0},
     "timesliced_group_deferred_snapshots_total": {frozenset({("group", "pool")}): 1.0},
+    "timesliced_group_preemptions_total": {frozenset({("group", "pool")}): 0.0},
     "timesliced_gpu_duty_ratio": {frozenset({("gpu", "0")}): 1.0, frozenset({("gpu", "1")}): 0.0},
     "timesliced_gpu_duty_window_ratio": {frozenset({("gpu", "0")}): 0.75, frozenset({("gpu", "1")}): 0.5},
     "timesliced_gpu_memory_used_bytes": {frozenset({("gpu", "0")}): 50331648.0, frozenset({("gpu", "1")}): 0.0},
@@ -263,6 +270,18 @@ def test_an_idle_group_has_no_holder_and_reads_draining_and_deferred() -> None:
     assert sum(series["timesliced_group_state"].values()) == 1.0
     assert series["timesliced_group_draining"] == {frozenset({("group", "pool")}): 1.0}
     assert series["timesliced_group_deferred_snapshots_total"] == {frozenset({("group", "pool")}): 7.0}
+
+
+def test_a_holder_past_its_maximum_slice_and_preemptions_are_exported() -> None:
+    doc = copy.deepcopy(STATUS)
+    doc["groups"][0].update(overdue_s=4.5, preemptions=3)
+    doc["counters"] = {**doc["counters"], "auth_failures": 2, "leases_expired": 1}
+    series = scrape(Metrics(provider(doc), node="vm"))
+    assert series["timesliced_group_overdue_seconds"] == {frozenset({("group", "pool")}): 4.5}
+    assert series["timesliced_group_preemptions_total"] == {frozenset({("group", "pool")}): 3.0}
+    events = series["timesliced_connection_events_total"]
+    assert events[frozenset({("event", "auth_failures")})] == 2.0
+    assert events[frozenset({("event", "leases_expired")})] == 1.0
 
 
 def test_groups_without_draining_or_deferred_read_as_zero() -> None:
