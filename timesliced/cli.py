@@ -441,7 +441,7 @@ def format_status(status: dict[str, Any]) -> str:
     lines += ["", "GROUPS"]
     for g in status["groups"] or []:
         holder = f"{g['holder']} ({g['held_s']:.1f}s)" if g["holder"] else "-"
-        queue = ", ".join(f"{w['job']} ({w['waited_s']:.1f}s)" for w in g["queue"]) or "-"
+        queue = ", ".join(f"{w['job']} ({w['waited_s']:.1f}s{_queue_mark(w)})" for w in g["queue"]) or "-"
         lines.append(
             f"  {g['group']}  gpus={g['gpus']}  state={g['state']}  fence={g['fence']}  holder={holder}  queue={queue}"
         )
@@ -449,6 +449,12 @@ def format_status(status: dict[str, Any]) -> str:
             f"      grants={g['grants']} switches={g['switches']} median switch={_ms(g['median_switch_s'])} "
             f"p95 switch={_ms(g['p95_switch_s'])} median wait={_ms(g['median_wait_s'])} moved={_size(g['bytes_moved'])}"
         )
+        if g.get("max_slice_s") is not None:
+            overdue = f", holder overdue {g['overdue_s']:.1f}s" if g.get("overdue_s") is not None else ""
+            lines.append(
+                f"      max slice={g['max_slice_s']:g}s then {g['slice_action']}{overdue}  "
+                f"preemptions={g.get('preemptions', 0)}"
+            )
     if not status["groups"]:
         lines.append("  (none)")
     lines += ["", "JOBS"]
@@ -460,9 +466,17 @@ def format_status(status: dict[str, Any]) -> str:
         )
     if not status["jobs"]:
         lines.append("  (none)")
-    c = status["counters"]
-    lines += ["", f"connections accepted={c['accepted']} refused={c['refused']} protocol errors={c['protocol_errors']}"]
+    counters = " ".join(f"{name.replace('_', ' ')}={n}" for name, n in status["counters"].items())
+    lines += ["", f"connections {counters}"]
     return "\n".join(lines)
+
+
+def _queue_mark(waiter: dict[str, Any]) -> str:
+    if waiter.get("preempted"):
+        return ", preempted"
+    if waiter.get("kept_for_s") is not None:
+        return f", turn kept {waiter['kept_for_s']:.0f}s"
+    return ""
 
 
 if __name__ == "__main__":
