@@ -15,8 +15,7 @@ from timesliced.node.journal import SLOTS, Journal
 def picture(fence: int, jobs: int = 2) -> dict[str, Any]:
     return {
         "jobs": [
-            {"job": f"j{i}", "group": "g", "exclusive": False, "span": [0], "location": "parked"}
-            for i in range(jobs)
+            {"job": f"j{i}", "group": "g", "exclusive": False, "span": [0], "location": "parked"} for i in range(jobs)
         ],
         "turns": {"j0": -1},
         "fences": {"g": [1, fence]},
