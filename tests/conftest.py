@@ -12,8 +12,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from timesliced.config import DaemonConfig, default_sim_dir
-from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.config import DaemonConfig
+from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.env import default_sim_dir
 
 MiB = 1 << 20
 TOKEN = "shared-token-for-tests-5d1e8c0b"  # what TCP clients of the ``daemon`` fixture prove

@@ -1,10 +1,14 @@
-"""timesliced: co-operative GPU time-slicing for LLM post-training jobs."""
+"""timesliced: co-operative GPU time-slicing for LLM post-training jobs.
+
+``import timesliced`` loads the client library and the wire protocol only, so that training code
+pays for nothing else; the daemon's parts are imported on first use of their names.
+"""
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from .backends.base import ParkSpec
 from .client import AsyncClient, Client, Grant
 from .errors import (
     AcquireCancelled,
@@ -18,6 +22,30 @@ from .errors import (
     ProtocolError,
     TimeslicedError,
 )
+from .version import __version__
+from .wire.park import ParkSpec
+
+if TYPE_CHECKING:
+    from .config import DaemonConfig
+    from .daemon.embedded import EmbeddedDaemon
+    from .daemon.root import Daemon
+
+# name -> the module that defines it, imported when the name is first used
+_LAZY = {
+    "Daemon": "timesliced.daemon.root",
+    "DaemonConfig": "timesliced.config",
+    "EmbeddedDaemon": "timesliced.daemon.embedded",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'timesliced' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AcquireCancelled",
@@ -26,6 +54,9 @@ __all__ = [
     "BackendError",
     "Client",
     "ConnectionLost",
+    "Daemon",
+    "DaemonConfig",
+    "EmbeddedDaemon",
     "Grant",
     "JobFaulted",
     "NotHolder",

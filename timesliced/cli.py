@@ -15,23 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__, errors
+from . import errors
 from .cluster.discovery import DEFAULT_PEER_PORT, local_addresses, resolve_cluster
-from .config import (
-    ADMIN_TOKEN_ENV,
-    DEFAULT_WEB,
-    PEER_TOKEN_ENV,
-    TOKEN_ENV,
-    ClusterConfig,
-    DaemonConfig,
-    default_state_dir,
-    parse_host_port,
-    parse_size,
-    parse_slice_policy,
-    read_admin_token,
-    read_token,
-)
-from .node.parking import CHOICES
+from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_slice_policy
+from .daemon.parking import CHOICES
+from .env import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV, TOKEN_ENV, default_state_dir, read_admin_token, read_token
+from .util.parse import parse_host_port, parse_size
+from .version import __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,7 +294,7 @@ def cluster_from_args(args: argparse.Namespace, token: str | None) -> tuple[Clus
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .node.daemon import Daemon
+    from .daemon.root import Daemon
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -335,7 +325,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import format_report, run_demo
+    from .bench.demo import format_report, run_demo
 
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else print
     try:
@@ -365,7 +355,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
-    from .bench import format_handoff, run_handoff
+    from .bench.handoff import format_handoff, run_handoff
 
     result = run_handoff(rounds=args.rounds, jobs=args.jobs, nodes=args.nodes)
     print(json.dumps(result, indent=2) if args.json else format_handoff(result))
@@ -373,14 +363,15 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_failover(args: argparse.Namespace) -> int:
-    from .bench_cluster import bench_failover, print_figures
+    from .bench.cluster import bench_failover
+    from .bench.common import print_figures
 
     print_figures(bench_failover(args.kills), args.json)
     return 0
 
 
 def cmd_bench_offload(args: argparse.Namespace) -> int:
-    from .bench_offload import format_offload, run_offload
+    from .bench.offload import format_offload, run_offload
 
     result = run_offload(mib=args.mib, rounds=args.rounds, device=args.device, switches=args.switches)
     print(json.dumps(result, indent=2) if args.json else format_offload(result))
@@ -388,8 +379,8 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_load(args: argparse.Namespace) -> int:
-    from .bench_cluster import print_figures
-    from .bench_load import failed, run_load
+    from .bench.common import print_figures
+    from .bench.load import failed, run_load
 
     signal.signal(signal.SIGTERM, _interrupt)  # stop the daemon and the job processes on the way out
     try:

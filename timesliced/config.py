@@ -1,39 +1,21 @@
-"""Daemon configuration, default paths and size parsing."""
+"""The daemon's configuration (``timesliced serve``) and the parsing of its options.
+
+Where the daemon's files live and how tokens are read is ``env``; sizes and addresses are parsed by
+``util.parse``.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import socket
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .core.scheduler import SlicePolicy
+from .env import default_sim_dir, default_socket_path, default_state_dir
 
 GiB = 1 << 30
-SOCKET_ENV = "TIMESLICED_SOCKET"
-STATE_DIR_ENV = "TIMESLICED_STATE_DIR"
-SOCKET_NAME = "timesliced.sock"
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """``"80GiB"``, ``"16G"``, ``"512MiB"``, ``"4096"`` -> bytes (powers of 1024 for both spellings)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (examples: 80GiB, 512MiB, 1048576)")
-    number, unit = float(m.group(1)), m.group(2).lower()
-    return int(number * (1 << (10 * " kmgt".index(unit or " "))))
-
-
-def parse_host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"not HOST:PORT: {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+DEFAULT_WEB = ("127.0.0.1", 7712)
 
 
 CRASH_AT_ENV = "TIMESLICED_CRASH_AT"
@@ -72,51 +54,6 @@ def parse_slice_policy(text: str, action: str = "warn", grace: float = 10.0) -> 
         raise ValueError(f"not a maximum slice: {text!r} ({exc}; examples: 300, trainers=300:preempt)") from None
 
 
-ADMIN_TOKEN_ENV = "TIMESLICED_ADMIN_TOKEN"
-DEFAULT_WEB = ("127.0.0.1", 7712)
-
-
-def read_admin_token(path: Path | None) -> str | None:
-    """The admin token from ``path`` or ``$TIMESLICED_ADMIN_TOKEN``; raises ``ValueError`` if empty or unreadable."""
-    if path is None:
-        token = os.environ.get(ADMIN_TOKEN_ENV)
-        if token is None:
-            return None
-        where = f"${ADMIN_TOKEN_ENV}"
-    else:
-        try:
-            token = path.read_text()
-        except OSError as exc:
-            raise ValueError(f"cannot read the admin token file {path}: {exc.strerror}") from None
-        where = str(path)
-    token = token.strip()
-    if len(token) < 16:
-        raise ValueError(f"the admin token in {where} must be at least 16 characters")
-    return token
-
-
-def default_state_dir() -> Path:
-    if env := os.environ.get(STATE_DIR_ENV):
-        return Path(env)
-    if runtime := os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(runtime) / "timesliced"
-    return Path(tempfile.gettempdir()) / f"timesliced-{os.getuid()}"
-
-
-def default_socket_path(state_dir: Path | None = None) -> Path:
-    """Where local clients find the daemon: ``$TIMESLICED_SOCKET`` or the state dir."""
-    if env := os.environ.get(SOCKET_ENV):
-        return Path(env)
-    return (state_dir or default_state_dir()) / SOCKET_NAME
-
-
-def default_sim_dir(state_dir: Path) -> Path:
-    """Simulated device memory lives on tmpfs, one directory per state dir."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    digest = hashlib.sha1(str(state_dir.resolve()).encode()).hexdigest()[:12]
-    return base / f"timesliced-{os.getuid()}-{digest}"
-
-
 @dataclass(frozen=True)
 class ClusterConfig:
     """Several daemons that elect one leader (``--peers`` and friends)."""
@@ -126,50 +63,6 @@ class ClusterConfig:
     token: str = field(repr=False)  # shared by every member; never logged, never sent
     election_timeout: tuple[float, float] = (1.0, 2.0)
     heartbeat_interval: float = 0.25
-
-
-TOKEN_ENV = "TIMESLICED_TOKEN"
-TOKEN_FILE_ENV = "TIMESLICED_TOKEN_FILE"
-PEER_TOKEN_ENV = "TIMESLICED_PEER_TOKEN"  # the older spelling of $TIMESLICED_TOKEN
-MIN_TOKEN_LENGTH = 16
-
-
-def read_token(path: Path | None = None, *, minimum: int = MIN_TOKEN_LENGTH) -> str | None:
-    """The deployment's shared token, or None where none is configured; raises ``ValueError``.
-
-    One token per deployment: peers prove it to each other and TCP clients to
-    their daemon. It comes from ``path`` (``--token-file``), else the file named
-    by ``$TIMESLICED_TOKEN_FILE``, else ``$TIMESLICED_TOKEN``, else
-    ``$TIMESLICED_PEER_TOKEN`` (the older spelling). An unreadable file, a
-    token shorter than ``minimum`` characters, or the two variables set to
-    different tokens raise ``ValueError``; the message never holds the token.
-    """
-    if path is None and (named := os.environ.get(TOKEN_FILE_ENV)):
-        path = Path(named)
-    if path is not None:
-        try:
-            token, where = path.read_text(), str(path)
-        except OSError as exc:
-            raise ValueError(f"cannot read the token file {path}: {exc.strerror}") from None
-    else:
-        current, older = os.environ.get(TOKEN_ENV), os.environ.get(PEER_TOKEN_ENV)
-        if current is not None and older is not None and current.strip() != older.strip():
-            raise ValueError(f"${TOKEN_ENV} and ${PEER_TOKEN_ENV} hold different tokens; set only ${TOKEN_ENV}")
-        if current is None and older is None:
-            return None
-        token, where = (current, f"${TOKEN_ENV}") if current is not None else (older or "", f"${PEER_TOKEN_ENV}")
-    token = token.strip()
-    if len(token) < minimum:
-        raise ValueError(f"the shared token in {where} must be at least {minimum} characters")
-    return token
-
-
-def read_peer_token(path: Path | None) -> str:
-    """The cluster's shared token (see ``read_token``); raises ``ValueError``, also when none is configured."""
-    token = read_token(path)
-    if token is None:
-        raise ValueError(f"a cluster needs a shared token: --token-file PATH or ${TOKEN_ENV}")
-    return token
 
 
 @dataclass

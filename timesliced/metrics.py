@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
-from .core.scheduler import GroupState, Location
+from .core.location import Location
+from .core.scheduler import GroupState
 
 log = logging.getLogger(__name__)
 

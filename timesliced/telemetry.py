@@ -3,7 +3,7 @@
 Pure parts (no I/O, no clock; every call takes ``now``):
 
 - :class:`DutyWindow`: one GPU's duty cycle and memory over a sliding window.
-- :class:`SwitchLog`: the recent snapshots and restores, with per-job summaries.
+- :class:`MoveLog`: the recent snapshots and restores, with per-job summaries.
 
 The asyncio shell, :class:`Telemetry`, samples a source every ``interval``
 seconds and feeds the windows. A source is either
@@ -32,6 +32,7 @@ from typing import Any
 
 from .backends.base import DeviceInfo
 from .nvml import GpuSample, Nvml
+from .util.stats import median
 
 log = logging.getLogger(__name__)
 
@@ -493,7 +494,7 @@ class MoveKind(enum.Enum):
 
 
 @dataclass(frozen=True)
-class SwitchRecord:
+class MoveRecord:
     """One snapshot or restore of one job on this node."""
 
     at: float
@@ -554,22 +555,22 @@ class _Totals:
     seconds: float = 0.0
 
 
-class SwitchLog:
+class MoveLog:
     """The latest ``maxlen`` moves, and running totals for at most ``max_jobs`` jobs (least recent dropped)."""
 
     def __init__(self, maxlen: int = 1024, max_jobs: int = 256) -> None:
         if maxlen < 1 or max_jobs < 1:
             raise ValueError(f"maxlen and max_jobs must be >= 1, not {maxlen} and {max_jobs}")
-        self._records: deque[SwitchRecord] = deque(maxlen=maxlen)
+        self._records: deque[MoveRecord] = deque(maxlen=maxlen)
         self._totals: OrderedDict[str, _Totals] = OrderedDict()  # least recently moved first
         self._max_jobs = max_jobs
 
-    def record(self, job: str, kind: MoveKind | str, nbytes: int, seconds: float, now: float) -> SwitchRecord:
+    def record(self, job: str, kind: MoveKind | str, nbytes: int, seconds: float, now: float) -> MoveRecord:
         """Log that ``kind`` ("snapshot" / "restore") of ``job`` moved ``nbytes`` in ``seconds``, ending at ``now``."""
         kind = MoveKind(kind)
         if nbytes < 0 or seconds < 0:
             raise ValueError(f"nbytes and seconds must be >= 0, not {nbytes} and {seconds}")
-        rec = SwitchRecord(now, job, kind, int(nbytes), float(seconds))
+        rec = MoveRecord(now, job, kind, int(nbytes), float(seconds))
         self._records.append(rec)
         totals = self._totals.pop(job, None) or _Totals()
         totals.count += 1
@@ -591,7 +592,7 @@ class SwitchLog:
         self._records.clear()
         self._records.extend(kept)
 
-    def recent(self, job: str | None = None, limit: int | None = None) -> list[SwitchRecord]:
+    def recent(self, job: str | None = None, limit: int | None = None) -> list[MoveRecord]:
         """The logged moves, oldest first, of ``job`` or of all jobs; the last ``limit`` only if given."""
         out = [r for r in self._records if job is None or r.job == job]
         if limit is None:
@@ -603,7 +604,7 @@ class SwitchLog:
         if totals is None:
             return None
         rates = sorted(r.gbps for r in self._records if r.job == job and r.nbytes > 0 and r.seconds > 0)
-        return JobMoves(totals.count, totals.snapshots, totals.restores, totals.nbytes, totals.seconds, _median(rates))
+        return JobMoves(totals.count, totals.snapshots, totals.restores, totals.nbytes, totals.seconds, median(rates))
 
     def summaries(self) -> dict[str, JobMoves]:
         out = {}
@@ -619,11 +620,3 @@ class SwitchLog:
             "recent": [r.to_dict() for r in self.recent(limit=limit)],
             "jobs": {job: s.to_dict() for job, s in self.summaries().items()},
         }
-
-
-def _median(sorted_values: Sequence[float]) -> float | None:
-    n = len(sorted_values)
-    if n == 0:
-        return None
-    mid = n // 2
-    return sorted_values[mid] if n % 2 else (sorted_values[mid - 1] + sorted_values[mid]) / 2

@@ -20,7 +20,7 @@ except ImportError:  # the browser fixture explains; CI wants a failure, not a s
     pytest.skip("the Python package playwright is not installed", allow_module_level=True)
 
 from timesliced import demo
-from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.daemon.embedded import EmbeddedDaemon
 
 from .conftest import screenshot, wait_live
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TypeVar
 
-from timesliced.node.compat import TaskGroup, timeout
+from timesliced.util.compat import TaskGroup, timeout
 
 log = logging.getLogger(__name__)
 

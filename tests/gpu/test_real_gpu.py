@@ -19,8 +19,8 @@ from timesliced.backends import cuda_checkpoint
 from timesliced.client.device_memory import CudaDeviceMemory
 from timesliced.client.offload import Offloader
 from timesliced.config import DaemonConfig
+from timesliced.daemon.parking import open_parking
 from timesliced.errors import NotResident
-from timesliced.node.parking import open_parking
 
 from . import check
 

@@ -36,14 +36,18 @@ import pytest
 import timesliced
 from timesliced import errors
 from timesliced.client.sync import daemon_status
-from timesliced.config import PEER_TOKEN_ENV, TOKEN_ENV, TOKEN_FILE_ENV
-from timesliced.node.authz import client_proof
-from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.env import PEER_TOKEN_ENV, TOKEN_ENV, TOKEN_FILE_ENV
+from timesliced.wire.proof import Purpose, prove
 
 from ..conftest import TOKEN, Raw, wait_for
 
 WRONG = "not-the-shared-token-9f8e7d6c"
 OTHER_USER = 1000
+
+
+def client_proof(token: str, challenge: str) -> str:
+    return prove(token, Purpose.CLIENT, bytes.fromhex(challenge)).hex()
 
 
 @pytest.fixture(autouse=True)

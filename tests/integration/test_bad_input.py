@@ -12,7 +12,7 @@ import pytest
 
 import timesliced
 from timesliced import errors
-from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.daemon.embedded import EmbeddedDaemon
 
 from ..conftest import Raw, run_python, wait_for
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from timesliced.bench_load import DaemonSample, ProcessSample, failed, lost_fences, summarize
+from timesliced.bench.load import DaemonSample, ProcessSample, failed, lost_fences, summarize
 
 from ..conftest import REPO
 

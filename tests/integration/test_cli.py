@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import timesliced
-from timesliced.config import default_sim_dir
+from timesliced.env import default_sim_dir
 
 from ..conftest import REPO, wait_for
 
@@ -187,7 +187,7 @@ def test_daemon_kill_9_loses_no_parked_bytes(tmp_path: Path) -> None:
     import asyncio
 
     from timesliced.backends.sim import SimBackend
-    from timesliced.backends.sim_layout import SimRegion
+    from timesliced.sim.region import SimRegion
 
     state, sock = tmp_path / "state", str(tmp_path / "ts.sock")
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from timesliced.bench_cluster import LocalCluster, double_grants, free_port, read_grants, spawn_worker
+from timesliced.bench.cluster import LocalCluster, double_grants, free_port, read_grants, spawn_worker
 
 from ..fakes.proxy import ProxyMesh
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from timesliced.bench_cluster import double_grants, read_grants, spawn_worker
+from timesliced.bench.cluster import double_grants, read_grants, spawn_worker
 from timesliced.client.sync import daemon_status
 from timesliced.config import CRASH_POINTS
 

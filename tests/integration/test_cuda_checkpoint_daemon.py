@@ -22,8 +22,8 @@ from timesliced.backends.base import DeviceInfo
 from timesliced.backends.cuda_checkpoint import CudaCheckpointBackend
 from timesliced.backends.offload import Direct, OffloadBackend
 from timesliced.config import DaemonConfig
-from timesliced.node.embedded import EmbeddedDaemon
-from timesliced.node.parking import Parking
+from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.daemon.parking import Parking
 
 from ..conftest import wait_for
 from ..fakes.cuda_driver import CHECKPOINTED, RUNNING, FakeCheckpointDriver, FakeGpuMemory

@@ -14,8 +14,8 @@ import pytest
 
 import timesliced
 from timesliced import errors
-from timesliced.backends.base import ParkSpec
-from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.wire.park import ParkSpec
 
 from ..conftest import REPO, wait_for
 

@@ -13,9 +13,10 @@ import pytest
 
 import timesliced
 from timesliced import errors
-from timesliced.config import DaemonConfig, default_sim_dir
+from timesliced.config import DaemonConfig
 from timesliced.core.scheduler import SlicePolicy
-from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.env import default_sim_dir
 
 from ..conftest import Raw, wait_for
 

@@ -13,7 +13,7 @@ import pytest
 
 import timesliced
 from timesliced import errors
-from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.daemon.embedded import EmbeddedDaemon
 
 from ..conftest import TOKEN, wait_for
 
@@ -241,8 +241,8 @@ def test_register_refuses_pids_that_are_not_processes(
 
 
 def test_pids_of_another_user_are_refused() -> None:
-    from timesliced.node.authz import checked_pids
-    from timesliced.node.server import Peer
+    from timesliced.daemon.authz import checked_pids
+    from timesliced.daemon.server import Peer
 
     me = os.getpid()
     assert checked_pids([me], Peer("unix", pid=me, uid=os.getuid())) == {me}
@@ -257,7 +257,8 @@ def test_pids_of_another_user_are_refused() -> None:
 
 
 def test_a_second_daemon_leaves_the_first_ones_socket_alone(daemon: EmbeddedDaemon, tmp_path: Path) -> None:
-    from timesliced.config import DaemonConfig, default_sim_dir
+    from timesliced.config import DaemonConfig
+    from timesliced.env import default_sim_dir
 
     config = DaemonConfig(state_dir=tmp_path / "other", socket_path=daemon.config.resolved_socket(), backend="sim")
     try:

@@ -16,8 +16,8 @@ import pytest
 
 import timesliced
 from timesliced import errors
-from timesliced.backends.base import ParkSpec
-from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.wire.park import ParkSpec
 
 from ..conftest import spawn_python, wait_for
 
@@ -185,7 +185,7 @@ def test_sim_memory_is_only_for_sim_jobs(daemon: EmbeddedDaemon) -> None:
 
 WORKLOAD = """
 import hashlib, json, os, sys, time, timesliced
-from timesliced.backends.base import ParkSpec
+from timesliced.wire.park import ParkSpec
 from timesliced.client.device_memory import HostDeviceMemory
 from timesliced.client.offload import Offloader
 

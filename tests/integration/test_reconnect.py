@@ -12,9 +12,10 @@ import pytest
 
 import timesliced
 from timesliced.client.sync import daemon_status
-from timesliced.config import DaemonConfig, default_sim_dir
-from timesliced.node.embedded import EmbeddedDaemon
-from timesliced.node.journal import Journal
+from timesliced.config import DaemonConfig
+from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.daemon.journal import Journal
+from timesliced.env import default_sim_dir
 
 from ..conftest import wait_for
 

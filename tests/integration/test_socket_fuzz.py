@@ -43,8 +43,8 @@ import pytest
 
 import timesliced
 from timesliced.client.sync import daemon_status
-from timesliced.node.embedded import EmbeddedDaemon
-from timesliced.node.processes import PID_MAX
+from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.util.processes import PID_MAX
 from timesliced.wire.codec import DEFAULT_MAX_FRAME, MAX_DEPTH
 from timesliced.wire.messages import MAX_REQUEST_ID
 

@@ -13,7 +13,7 @@ import pytest
 
 import timesliced
 from timesliced import errors
-from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.daemon.embedded import EmbeddedDaemon
 
 from ..conftest import wait_for
 

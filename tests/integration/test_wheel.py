@@ -13,7 +13,7 @@ from ..conftest import REPO
 SERVE_EVERYTHING = """
 import json, sys, urllib.request
 import timesliced
-from timesliced.node.embedded import EmbeddedDaemon
+from timesliced.daemon.embedded import EmbeddedDaemon
 assert timesliced.__file__.startswith(sys.argv[1]), timesliced.__file__  # the installed copy, not the source
 with EmbeddedDaemon(gpus=1, web=("127.0.0.1", 0)) as d:
     with timesliced.Client(job="a", group="g", address=d.socket) as c:

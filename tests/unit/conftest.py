@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import pytest
 
 from timesliced.core.events import (
-    AcquireCancelled,
     AcquireRequested,
+    AcquireWithdrawn,
     Event,
     JobExited,
     JobRegistered,
@@ -107,7 +107,7 @@ class Harness:
         return rid
 
     def cancel(self, session: int, rid: int) -> Any:
-        return self.handle(AcquireCancelled(session, rid))
+        return self.handle(AcquireWithdrawn(session, rid))
 
     def release(self, session: int) -> Any:
         return self.handle(ReleaseRequested(session))

@@ -23,11 +23,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from timesliced import errors
 from timesliced.cli import build_parser, config_from_args
 from timesliced.client.protocol import auth_args
-from timesliced.config import PEER_TOKEN_ENV, TOKEN_ENV, TOKEN_FILE_ENV, read_token
+from timesliced.daemon.authz import checked_pids
+from timesliced.daemon.server import Peer
 from timesliced.dashboard import admin, make_app
-from timesliced.node.authz import checked_pids, client_proof, new_challenge, proof_matches
-from timesliced.node.processes import descends_from, owner_uid
-from timesliced.node.server import Peer
+from timesliced.env import PEER_TOKEN_ENV, TOKEN_ENV, TOKEN_FILE_ENV, read_token
+from timesliced.util.processes import descends_from, owner_uid
+from timesliced.wire.proof import Purpose, new_challenge, proof_matches, prove
 
 TOKEN = "a-token-of-the-deployment-0f3c9e"
 OTHER_USER = 1000  # the peer's user when the tests run as root
@@ -43,24 +44,40 @@ def no_token_in_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- the token proof ----------------------------------------------------------------------
 
 
+def client_proof(token: str, challenge: str) -> str:
+    """What a TCP client sends: the hex proof of the hex challenge of the daemon's hello."""
+    return prove(token, Purpose.CLIENT, bytes.fromhex(challenge)).hex()
+
+
 def test_a_proof_answers_one_challenge_with_one_token() -> None:
     challenge = new_challenge()
-    assert len(challenge) == 64 and int(challenge, 16) >= 0
+    assert len(challenge) == 32
     assert new_challenge() != challenge  # fresh per connection
-    proof = client_proof(TOKEN, challenge)
-    assert proof == client_proof(TOKEN, challenge) and len(proof) == 64
-    assert TOKEN not in proof and TOKEN.encode().hex() not in proof
-    assert proof_matches(TOKEN, challenge, proof)
-    assert not proof_matches(TOKEN, new_challenge(), proof)  # a proof is good for its challenge only
-    assert not proof_matches(TOKEN + "x", challenge, proof)
-    for wrong in (proof.upper(), proof[:-1], "", "é" * 64, None, 7, proof.encode(), [proof]):
-        assert not proof_matches(TOKEN, challenge, wrong), wrong
-    with pytest.raises(ValueError):
-        client_proof(TOKEN, "not hex")
+    proof = prove(TOKEN, Purpose.CLIENT, challenge)
+    assert proof == prove(TOKEN, Purpose.CLIENT, challenge) and len(proof) == 32
+    assert TOKEN.encode() not in proof
+    assert proof_matches(TOKEN, Purpose.CLIENT, challenge, proof)
+    assert proof_matches(TOKEN, Purpose.CLIENT, challenge, proof.hex())  # as a client sends it
+    assert not proof_matches(TOKEN, Purpose.CLIENT, new_challenge(), proof)  # good for its challenge only
+    assert not proof_matches(TOKEN + "x", Purpose.CLIENT, challenge, proof)
+    for wrong in (proof.hex().upper() + "0", proof[:-1], "", "é" * 64, "not hex", None, 7, [proof]):
+        assert not proof_matches(TOKEN, Purpose.CLIENT, challenge, wrong), wrong
+
+
+def test_a_proof_is_good_for_its_purpose_and_its_ends_only() -> None:
+    challenge = new_challenge()
+    hello = prove(TOKEN, Purpose.PEER_HELLO, challenge, "a", "b")
+    for purpose in (Purpose.CLIENT, Purpose.PEER_WELCOME):
+        assert not proof_matches(TOKEN, purpose, challenge, hello, "a", "b")
+    assert not proof_matches(TOKEN, Purpose.PEER_HELLO, challenge, hello, "b", "a")
+    assert not proof_matches(TOKEN, Purpose.PEER_HELLO, challenge, hello, "a", "")
+    assert prove(TOKEN, Purpose.PEER_HELLO, challenge, "ab", "c") != prove(
+        TOKEN, Purpose.PEER_HELLO, challenge, "a", "bc"
+    )
 
 
 def test_auth_args_answer_only_a_challenge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    challenge = new_challenge()
+    challenge = new_challenge().hex()  # as the daemon's hello carries it
     assert auth_args({"version": 1, "session": 3}, None) is None  # a Unix socket: no challenge, no token needed
     assert auth_args({"challenge": challenge}, TOKEN) == {"proof": client_proof(TOKEN, challenge)}
     with pytest.raises(errors.PermissionDenied, match=r"pass token= or set \$TIMESLICED_TOKEN"):

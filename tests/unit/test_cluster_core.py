@@ -78,7 +78,7 @@ def test_rebuild_freezes_groups_on_a_node_that_did_not_report() -> None:
     reports = {0: report([job("A", "g", "parked", {"0": 40}, [0, 200])], [(1, "A")])}
     reports[0]["waiting"] = [{"conn": 1, "rid": 1, "seq": None, "order": 1, "deadline_in": None}]
     orch, _ = Orchestrator.rebuild(ERA, reports, [2], NOW)
-    assert "g" in orch.scheduler.frozen
+    assert orch.scheduler.frozen("g")
     assert messages(orch, "move") == [] and messages(orch, "grant") == []  # nothing moves, nothing granted
 
 
@@ -187,7 +187,7 @@ def test_a_node_that_drops_off_mid_restore_faults_the_job_and_keeps_its_memory()
     assert a.location.value == "resident"  # counted as on the GPU: nothing else is put there
     notify = [m for _, m in messages(orch, "notify") if m["event"] == "faulted"]
     assert notify and notify[0]["data"]["until_resync"] is True
-    assert "g" in orch.scheduler.frozen
+    assert orch.scheduler.frozen("g")
     orch.scheduler.check_invariants()
 
 

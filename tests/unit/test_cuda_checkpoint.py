@@ -26,9 +26,10 @@ from tests.fakes.cuda_driver import (  # noqa: E402
 )
 from timesliced import errors  # noqa: E402
 from timesliced.backends import cuda_driver  # noqa: E402
-from timesliced.backends.base import JobTarget, ParkSpec  # noqa: E402
+from timesliced.backends.base import JobTarget  # noqa: E402
 from timesliced.backends.cuda_checkpoint import CudaCheckpointBackend, open_backend, probe  # noqa: E402
 from timesliced.backends.cuda_driver import CudaDriver, error_for  # noqa: E402
+from timesliced.wire.park import ParkSpec  # noqa: E402
 
 R = cu.CUresult
 GiB = 1 << 30

@@ -18,8 +18,9 @@ import pytest
 
 from tests.fakes.engines import FakeEngine, FakeSglang, FakeVllm, GiB
 from timesliced import errors
-from timesliced.backends.base import JobTarget, ParkSpec
+from timesliced.backends.base import JobTarget
 from timesliced.backends.engines import EngineBackend, SglangBackend, VllmBackend, make_engine_backend
+from timesliced.wire.park import ParkSpec
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")

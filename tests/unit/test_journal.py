@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from timesliced.node.journal import SLOTS, Journal
+from timesliced.daemon.journal import SLOTS, Journal
 
 
 def picture(fence: int, jobs: int = 2) -> dict[str, Any]:

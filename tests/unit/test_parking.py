@@ -10,8 +10,9 @@ import pytest
 
 from timesliced import errors
 from timesliced.backends import cuda_checkpoint
-from timesliced.config import DaemonConfig, default_sim_dir
-from timesliced.node.parking import Parking, open_parking
+from timesliced.config import DaemonConfig
+from timesliced.daemon.parking import Parking, open_parking
+from timesliced.env import default_sim_dir
 
 from ..conftest import run_python
 from ..fakes.nvml import FakeGpu, FakeNvml

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from timesliced.cluster.transport import NONCE_SIZE, PEER_PROTOCOL, PeerTransport, welcome_mac
+from timesliced.cluster.transport import NONCE_SIZE, PEER_PROTOCOL, PeerTransport
 from timesliced.errors import FrameTooLarge
 from timesliced.wire.codec import HEADER, decode_body, encode
+from timesliced.wire.proof import Purpose, prove
 
 TOKEN = "peer-token-4f9c2a7d81e6"
 OTHER_TOKEN = "peer-token-0b3e5d9a2c47"
@@ -147,8 +148,9 @@ async def at_eof(reader: asyncio.StreamReader) -> bool:
 
 
 def mac(token: str, nonce: bytes, node: str, to: str) -> bytes:
-    """Written out here rather than imported, so the test pins the documented handshake."""
-    return hmac.new(token.encode(), nonce + node.encode() + b"\0" + to.encode(), hashlib.sha256).digest()
+    """Written out here rather than imported, so the test pins the documented handshake (wire.proof)."""
+    names = b"".join(len(n).to_bytes(2, "big") + n for n in (node.encode(), to.encode()))
+    return hmac.new(token.encode(), b"timesliced peer hello v2\0" + nonce + names, hashlib.sha256).digest()
 
 
 async def dial(
@@ -205,7 +207,7 @@ class Accepter:
             writer.write(encode({"t": "challenge", "v": PEER_PROTOCOL, "nonce": os.urandom(NONCE_SIZE)}))
             hello = await read_frame(reader)
             self.hellos.append(hello)
-            proof = welcome_mac(self.token.encode(), hello["nonce"], self.answer_as, hello["node"])
+            proof = prove(self.token, Purpose.PEER_WELCOME, hello["nonce"], self.answer_as, hello["node"])
             writer.write(encode({"t": "welcome", "node": self.answer_as, "mac": proof}))
             self.readers.append(reader)
             await self.release.wait()

@@ -14,8 +14,8 @@ import pytest
 
 from timesliced import errors
 from timesliced.core.events import (
-    AcquireCancelled,
     AcquireRequested,
+    AcquireWithdrawn,
     AllocateRegion,
     DrainRequested,
     Effect,
@@ -138,7 +138,7 @@ def test_register_errors_change_nothing(
     "event",
     [
         AcquireRequested(42, 1),
-        AcquireCancelled(42, 1),
+        AcquireWithdrawn(42, 1),
         ReleaseRequested(42),
         MemoryRequested(42, 1, 0, 10),
     ],

@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 
 from timesliced import errors
 from timesliced.core.events import (
-    AcquireCancelled,
     AcquireRequested,
+    AcquireWithdrawn,
     AllocateRegion,
     DrainRequested,
     Effect,
@@ -57,7 +57,8 @@ from timesliced.core.events import (
     SnapshotJob,
     Ticket,
 )
-from timesliced.core.scheduler import AUTO, Location, Scheduler, SlicePolicy
+from timesliced.core.location import Location
+from timesliced.core.scheduler import AUTO, Scheduler, SlicePolicy
 
 from .conftest import core_state
 
@@ -236,7 +237,7 @@ class Run:
             ticket = (sid, self.rng.randrange(1, self.next_rid + 1))
         job = self.ticket_job(ticket)
         expect = errors.NotRegistered if self.job_of(ticket[0]) is None else None
-        result = self.feed(AcquireCancelled(*ticket), expect)
+        result = self.feed(AcquireWithdrawn(*ticket), expect)
         if expect is None:
             assert result == {"cancelled": job is not None}, (ticket, result)
             if job is not None:

@@ -26,7 +26,8 @@ from timesliced import errors
 from timesliced.backends import sim
 from timesliced.backends.base import MoveResult
 from timesliced.backends.sim import SimBackend
-from timesliced.backends.sim_layout import RegionInfo, SimRegion, job_key, read_ctl
+from timesliced.sim.layout import RegionInfo, job_key, read_ctl
+from timesliced.sim.region import SimRegion
 
 PAGE = 64 << 10
 MiB = 1 << 20
@@ -215,7 +216,8 @@ def test_client_in_another_process_writes_real_shared_bytes(sims: Sims) -> None:
     script = """
         import json, sys
         from timesliced import errors
-        from timesliced.backends.sim_layout import RegionInfo, SimRegion
+        from timesliced.sim.layout import RegionInfo
+        from timesliced.sim.region import SimRegion
         with SimRegion.open(RegionInfo.from_wire(json.loads(sys.argv[1]))) as r:
             if sys.argv[2] == "write":
                 r.fill(b"child!")
@@ -267,7 +269,8 @@ def test_a_reader_in_another_process_never_sees_a_torn_table(sims: Sims) -> None
     digest = watched.checksum()
     script = """
         import json, sys, time
-        from timesliced.backends.sim_layout import RegionInfo, SimRegion
+        from timesliced.sim.layout import RegionInfo
+        from timesliced.sim.region import SimRegion
         with SimRegion.open(RegionInfo.from_wire(json.loads(sys.argv[1]))) as r:
             print("ready", flush=True)
             reads, end = 0, time.monotonic() + float(sys.argv[2])
@@ -551,7 +554,7 @@ def test_a_commit_cut_short_keeps_the_previous_table(sims: Sims) -> None:
 CRASH_CHILD = """
     import asyncio, json, os, signal, sys
     from timesliced.backends.sim import SimBackend
-    from timesliced.backends.sim_layout import SimRegion
+    from timesliced.sim.region import SimRegion
     root, mode = sys.argv[1], sys.argv[2]
     b = SimBackend(root, gpus=2, capacity=32 * 65536, page_size=65536, bandwidth=0)
     out = {}

@@ -15,7 +15,7 @@ import pytest
 from tests.fakes.nvml import FakeGpu, FakeNvml, GiB, pynvml
 from timesliced.backends.base import DeviceInfo
 from timesliced.nvml import GpuSample, Nvml
-from timesliced.telemetry import DutyWindow, JobMoves, MoveKind, SimGpuSource, SwitchLog, Telemetry
+from timesliced.telemetry import DutyWindow, JobMoves, MoveKind, MoveLog, SimGpuSource, Telemetry
 
 MiB = 1 << 20
 
@@ -430,11 +430,11 @@ def test_sim_run_loop_samples_on_the_event_loop() -> None:
     assert t.describe()["gpus"][0]["memory_used"] == 0
 
 
-# --- SwitchLog -----------------------------------------------------------------------------------
+# --- MoveLog -----------------------------------------------------------------------------------
 
 
 def test_switch_log_summaries() -> None:
-    log = SwitchLog()
+    log = MoveLog()
     log.record("a", "snapshot", 2_000_000_000, 1.0, 10.0)
     log.record("a", MoveKind.RESTORE, 4_000_000_000, 1.0, 12.0)
     log.record("a", "restore", 3_000_000_000, 1.0, 14.0)
@@ -464,7 +464,7 @@ def test_switch_log_summaries() -> None:
 
 
 def test_switch_log_is_bounded() -> None:
-    log = SwitchLog(maxlen=3, max_jobs=2)
+    log = MoveLog(maxlen=3, max_jobs=2)
     for i in range(5):
         log.record("a", "restore", 1_000_000_000 * (i + 1), 1.0, float(i))
     assert len(log.recent()) == 3
@@ -482,7 +482,7 @@ def test_switch_log_is_bounded() -> None:
     "args", [("a", "park", 1, 1.0, 0.0), ("a", "snapshot", -1, 1.0, 0.0), ("a", "restore", 1, -1.0, 0.0)]
 )
 def test_switch_log_misuse(args: tuple[Any, ...]) -> None:
-    log = SwitchLog()
+    log = MoveLog()
     with pytest.raises(ValueError):
         log.record(*args)
     assert log.recent() == [] and log.summaries() == {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-METHODS = ("sim", "cuda-checkpoint", "offload", "vllm", "sglang")
+from ..wire.park import ParkSpec
 
 
 @dataclass(frozen=True)
@@ -25,16 +25,6 @@ class DeviceInfo:
     capacity: int  # bytes
     name: str
     uuid: str = ""
-
-
-@dataclass(frozen=True)
-class ParkSpec:
-    """How a job asked to be parked (the ``park`` argument of ``register``)."""
-
-    method: str
-    endpoints: tuple[str, ...] = ()  # vllm / sglang: base URLs of the engine replicas
-    tags: tuple[str, ...] = ()  # offload / vllm / sglang: which parts to park; () = all
-    level: int = 1  # vllm sleep level (1: weights to host, 2: discard weights)
 
 
 @dataclass(frozen=True)

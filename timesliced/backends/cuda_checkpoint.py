@@ -64,7 +64,7 @@ from timesliced.backends.cuda_driver import (
     result_name,
     state_name,
 )
-from timesliced.node import processes
+from timesliced.util import processes
 
 T = TypeVar("T")
 

@@ -43,7 +43,8 @@ import aiohttp
 from yarl import URL
 
 from timesliced import errors
-from timesliced.backends.base import GpuMemory, JobTarget, MoveResult, ParkSpec
+from timesliced.backends.base import GpuMemory, JobTarget, MoveResult
+from timesliced.wire.park import ParkSpec
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .. import errors
-from ..node.compat import timeout
+from ..util.compat import timeout
 from .base import JobTarget, MoveResult
 
 log = logging.getLogger(__name__)

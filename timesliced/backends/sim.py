@@ -5,7 +5,7 @@ where it matters to the rest of the daemon: clients write real bytes into
 shared memory, a snapshot copies them to host files and gives the device
 pages back, a restore puts them (possibly on other pages) back, and moves
 take time in proportion to their size. The file formats live in
-``sim_layout``, which clients import too.
+``timesliced.sim.layout``, which clients map too (``timesliced.sim.region``).
 
 Crash consistency: every state change is ordered so that a daemon killed at
 any instant leaves either a complete parked copy or a complete device copy,
@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 
 from timesliced import errors
 from timesliced.backends.base import DeviceInfo, JobTarget, MoveResult, job_name
-from timesliced.backends.sim_layout import (
+from timesliced.sim.layout import (
     FAULTED,
     PARKED,
     PARKING,

@@ -14,8 +14,8 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from .. import errors
-from ..backends.base import ParkSpec
 from ..wire.messages import Push, Reply
+from ..wire.park import ParkSpec
 from .directives import OffloadExecutor, directive_worker, run_directive
 from .protocol import (
     ClientProtocol,
@@ -245,7 +245,8 @@ class AsyncClient:
         return decorate
 
     async def sim_alloc(self, nbytes: int, gpu: int = 0) -> Any:
-        from ..backends.sim_layout import RegionInfo, SimRegion
+        from ..sim.layout import RegionInfo
+        from ..sim.region import SimRegion
 
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError("nbytes must be a positive integer")

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
-from ..backends.base import METHODS, ParkSpec
-from ..config import TOKEN_ENV, default_socket_path, parse_host_port, read_token
-from ..node.authz import client_proof
+from ..env import TOKEN_ENV, default_socket_path, read_token
+from ..util.parse import parse_host_port
 from ..wire.codec import DEFAULT_MAX_FRAME, FrameDecoder, encode
 from ..wire.messages import PROTOCOL_VERSION, Push, Reply, Request, parse_incoming
+from ..wire.park import METHODS, ParkSpec
+from ..wire.proof import Purpose, prove
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def auth_args(hello: Any, token: str | None) -> dict[str, Any] | None:
     if not token:
         raise errors.PermissionDenied(f"the daemon asks for the shared token over TCP: pass token= or set ${TOKEN_ENV}")
     try:
-        return {"proof": client_proof(token, str(challenge))}
+        return {"proof": prove(token, Purpose.CLIENT, bytes.fromhex(str(challenge))).hex()}
     except ValueError:
         raise errors.ProtocolError("the daemon sent a malformed challenge") from None
 
@@ -188,12 +189,8 @@ def register_args(
         spec = ParkSpec(park) if isinstance(park, str) else park
         if spec.method not in METHODS:
             raise ValueError(f"unknown parking method {spec.method!r} (known: {', '.join(METHODS)})")
-        args["park"] = park_to_wire(spec)
+        args["park"] = spec.to_wire()
     return args
-
-
-def park_to_wire(spec: ParkSpec) -> dict[str, Any]:
-    return {"method": spec.method, "endpoints": list(spec.endpoints), "tags": list(spec.tags), "level": spec.level}
 
 
 def acquire_args(timeout: float | None) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from .. import errors
-from ..backends.base import ParkSpec
 from ..wire.messages import Push, Reply
+from ..wire.park import ParkSpec
 from .directives import OffloadExecutor, directive_worker, run_directive
 from .protocol import (
     Address,
@@ -280,7 +280,8 @@ class Client:
         Raises ``OutOfMemory`` when it does not fit (idle jobs are parked first
         to make room), ``NotResident`` if this job's state is parked.
         """
-        from ..backends.sim_layout import RegionInfo, SimRegion
+        from ..sim.layout import RegionInfo
+        from ..sim.region import SimRegion
 
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError("nbytes must be a positive integer")

@@ -35,8 +35,8 @@ from .. import errors
 from ..core.election import BecameLeader, Election, LeaderChanged, Persist, Persisted, SteppedDown, message_from_wire
 from ..core.election import Send as ElectionSend
 from ..core.events import GrantLock
+from ..core.ids import gpu_slot, local_gpu
 from ..core.scheduler import AUTO, Scheduler, SlicePolicy
-from .ids import gpu_slot, local_gpu
 from .orchestrator import Era, Orchestrator
 
 PENDING = object()  # the answer to a request comes later, as a Reply or Fail effect
@@ -96,7 +96,7 @@ class Allocate:
 
 
 @dataclass(frozen=True)
-class Granted:
+class RecordGrant:
     """The leader granted (figures); ``grant`` is the scheduler's own."""
 
     grant: GrantLock
@@ -112,7 +112,7 @@ class Noted:
     group: str | None = None
 
 
-Effect = Send | Persist | Reply | Fail | Push | RunMove | Allocate | Granted | Noted
+Effect = Send | Persist | Reply | Fail | Push | RunMove | Allocate | RecordGrant | Noted
 
 
 # --- what this node knows --------------------------------------------------------------
@@ -850,7 +850,7 @@ class ClusterNode:
         for out in self.orch.drain():
             self._to_node(out.slot, out.message)
         grants, self.orch.grants = self.orch.grants, []
-        self._effects.extend(Granted(g) for g in grants)
+        self._effects.extend(RecordGrant(g) for g in grants)
         notices, self.orch.notices = self.orch.notices, []
         for n in notices:
             group = n.data.get("group")

@@ -22,8 +22,8 @@ from typing import Any
 
 from .. import errors
 from ..core.events import (
-    AcquireCancelled,
     AcquireRequested,
+    AcquireWithdrawn,
     AllocateRegion,
     DrainRequested,
     Effect,
@@ -31,6 +31,7 @@ from ..core.events import (
     FailRequest,
     ForceReleaseRequested,
     GrantLock,
+    GroupsFrozen,
     JobExited,
     JobRegistered,
     MemoryReleased,
@@ -44,8 +45,9 @@ from ..core.events import (
     SessionClosed,
     SnapshotJob,
 )
-from ..core.scheduler import Location, Scheduler, SlicePolicy
-from .ids import global_gpu, global_session, gpu_slot, local_conn, local_gpu, session_slot
+from ..core.ids import global_gpu, global_session, gpu_slot, local_conn, local_gpu, session_slot
+from ..core.location import Location
+from ..core.scheduler import Scheduler, SlicePolicy
 
 Era = tuple[int, int]  # (term, gen): gen counts the leader's resynchronisations within its term
 NOTED = ("faulted", "slice_overdue", "preempted")  # notices that also go to the log and the history
@@ -119,7 +121,7 @@ class Orchestrator:
             self._to(slot, {"k": "queued", "conn": conn, "rid": args["rid"], "seq": next(self._seq)})
             return None
         if op == "cancel":
-            return self._feed(AcquireCancelled(session, args["request"]), now)
+            return self._feed(AcquireWithdrawn(session, args["request"]), now)
         if op == "release":
             return self._feed(ReleaseRequested(session), now)
         if op == "alloc":
@@ -151,7 +153,7 @@ class Orchestrator:
             tuple(global_gpu(slot, g) for g in gpus) if gpus is not None else None,
             tuple(args.get("pids", ())),
             exclusive=bool(args.get("exclusive")),
-            node=slot,
+            slot=slot,
         )
         group = self.scheduler.groups.get(args["group"])
         before = group.gpus if group is not None else ()
@@ -187,7 +189,7 @@ class Orchestrator:
         for op, fan in list(self._fanouts.items()):
             if slot in fan.waiting:
                 self._node_lost_in(op, fan, slot, "is out of reach", now)
-        self._refreeze()
+        self._refreeze(now)
         self._route(now)
 
     def drain(self) -> list[Outgoing]:
@@ -298,7 +300,7 @@ class Orchestrator:
             self.job_nodes.pop(fan.job, None)
             self.gone.pop(fan.job, None)
             self.scheduler.handle(ReclaimFinished(op), now)
-            self._trim(group)
+            self._trim(group, now)
         else:
             if fan.unknown:
                 self._unknown.add(fan.job)
@@ -320,7 +322,7 @@ class Orchestrator:
         if g is not None:
             self.spans.setdefault(group, set()).update(gpu_slot(gpu) for gpu in g.gpus)
 
-    def _trim(self, group: str) -> None:
+    def _trim(self, group: str, now: float) -> None:
         """A group stops spanning nodes where none of its jobs is left, so it never waits for them.
 
         A group spanning several nodes is forgotten with its last job (a single node's stays,
@@ -332,22 +334,22 @@ class Orchestrator:
         if not slots and len({gpu_slot(gpu) for gpu in before}) > 1:
             self.fence_floor[group] = self.scheduler.forget_group(group)
             self.spans.pop(group, None)
-            self._refreeze()
+            self._refreeze(now)
             return
         self.scheduler.shrink_group(group, [gpu for gpu in g.gpus if gpu_slot(gpu) in slots])
         if g.gpus != before:
             self.spans[group] = {gpu_slot(gpu) for gpu in g.gpus}
-            self._refreeze()
+            self._refreeze(now)
             for s in sorted(slots):
                 self._to(s, {"k": "span", "group": group, "gpus": list(g.gpus)})
 
-    def _refreeze(self) -> None:
+    def _refreeze(self, now: float) -> None:
         frozen = {}
         for group, slots in self.spans.items():
             missing = sorted(slots & self.offline)
             if missing:
                 frozen[group] = f"waiting for node(s) {missing} to be back"
-        self.scheduler.frozen = frozen
+        self.scheduler.handle(GroupsFrozen(frozen), now)
 
     # --- a new leader -------------------------------------------------------------------------
 
@@ -433,7 +435,7 @@ class Orchestrator:
             sched.adopt_job(name, m["group"], m["exclusive"], location, footprint, "; ".join(m["faulted"]))
             orch.job_nodes[name] = set(m["slots"])
             orch.gone[name] = set(m["gone"])
-        orch._refreeze()  # before anything below may grant
+        orch._refreeze(now)  # before anything below may grant
         # 2. sessions
         for slot, report in sorted(reports.items()):
             for s in report["sessions"]:
@@ -448,7 +450,7 @@ class Orchestrator:
                     None,
                     tuple(s["pids"]),
                     exclusive=job.exclusive,
-                    node=slot,
+                    slot=slot,
                 )
                 try:
                     sched.handle(event, now)

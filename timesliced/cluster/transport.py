@@ -6,7 +6,7 @@ So two nodes never race to pick one of two duplicate connections.
 
 Every new connection starts with a challenge-response handshake in both
 directions. The accepting side sends a random nonce; the dialer answers with an
-HMAC-SHA256, keyed by the shared token, over the nonce and both node ids, and
+proof of the shared token (``wire.proof``) over the nonce and both node ids, and
 its own nonce; the accepter's welcome proves the token the same way over that
 one. So neither side sends to, or takes from, a node that does not know the
 token. The token itself never crosses the wire and is never logged. This authenticates the connection, not each
@@ -22,40 +22,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
-import hmac
 import logging
 import random
-import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import errors
-from ..node.compat import timeout
+from ..util.compat import timeout
 from ..wire.codec import FrameDecoder, encode
+from ..wire.proof import CHALLENGE_BYTES, Purpose, new_challenge, proof_matches, prove
 
 log = logging.getLogger(__name__)
 
-PEER_PROTOCOL = 1
-NONCE_SIZE = 32
+PEER_PROTOCOL = 2  # 2: proofs made by wire.proof
+NONCE_SIZE = CHALLENGE_BYTES
 MIN_TOKEN_LENGTH = 16
 STALL_BYTES = 8 << 20  # queued for a peer whose socket stopped taking data: past this, drop the connection
 WRITE_BATCH = 64 << 10  # a backlog is handed to the socket in writes of about this size
 JITTER = 0.2  # reconnect delays vary by this fraction either way, so restarted peers do not dial in lockstep
 CLOSE_TIMEOUT = 1.0  # close() waits this long for connections to flush and go before aborting them
 BACKLOG = 128
-
-
-def welcome_mac(token: bytes, nonce: bytes, node: str, to: str) -> bytes:
-    """The accepter's proof: a MAC that cannot be replayed as a dialer's (another domain)."""
-    return handshake_mac(token, b"welcome\0" + nonce, node, to)
-
-
-def handshake_mac(token: bytes, nonce: bytes, node: str, to: str) -> bytes:
-    """The dialer's proof that it knows the token, bound to one challenge and to both ends."""
-    return hmac.new(token, nonce + node.encode() + b"\0" + to.encode(), hashlib.sha256).digest()
 
 
 @dataclass(eq=False)
@@ -378,8 +366,9 @@ class PeerTransport:
         if not isinstance(theirs, bytes) or len(theirs) != NONCE_SIZE:
             return "the hello holds no valid nonce"
         mac = message.get("mac")
-        expected = handshake_mac(self._token, nonce, node, self.node_id)
-        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, expected):
+        if not isinstance(mac, bytes) or not proof_matches(
+            self._token, Purpose.PEER_HELLO, nonce, mac, node, self.node_id
+        ):
             return "authentication failed (is the token the same on both nodes?)"
         return None
 
@@ -414,7 +403,7 @@ class _Outbound(asyncio.Protocol):
         self.decoder = FrameDecoder(owner.max_frame)
         self.hello_sent = False
         self.welcomed = False
-        self.nonce = secrets.token_bytes(NONCE_SIZE)  # the accepter proves the token over it
+        self.nonce = new_challenge()  # the accepter proves the token over it
         self.paused = False
         self.error: errors.TimeslicedError | None = None
         # Both futures only ever get a result, so none holds an exception nobody retrieves.
@@ -478,7 +467,7 @@ class _Outbound(asyncio.Protocol):
             if not isinstance(nonce, bytes) or len(nonce) != NONCE_SIZE:
                 raise errors.ProtocolError("the challenge holds no valid nonce")
             node, to = self.owner.node_id, self.link.peer
-            mac = handshake_mac(self.owner._token, nonce, node, to)
+            mac = prove(self.owner._token, Purpose.PEER_HELLO, nonce, node, to)
             hello = {"t": "hello", "v": PEER_PROTOCOL, "node": node, "to": to, "mac": mac, "nonce": self.nonce}
             self.write(encode(hello, self.owner.max_frame))
             self.hello_sent = True
@@ -488,8 +477,9 @@ class _Outbound(asyncio.Protocol):
                 # A misconfigured address: never deliver this peer's messages to another node.
                 raise errors.ProtocolError(f"the node there is {_shown(answered)}, not {self.link.peer!r}")
             proof = message.get("mac")
-            expected = welcome_mac(self.owner._token, self.nonce, answered, self.owner.node_id)
-            if not isinstance(proof, bytes) or not hmac.compare_digest(proof, expected):
+            if not isinstance(proof, bytes) or not proof_matches(
+                self.owner._token, Purpose.PEER_WELCOME, self.nonce, proof, answered, self.owner.node_id
+            ):
                 raise errors.PermissionDenied(f"the node at {self.link.peer!r}'s address does not know the token")
             self.welcomed = True
             self._settle()
@@ -526,7 +516,7 @@ class _Inbound(asyncio.Protocol):
         self.owner = owner
         self.transport: asyncio.Transport | None = None
         self.decoder = FrameDecoder(owner.max_frame)
-        self.nonce = secrets.token_bytes(NONCE_SIZE)
+        self.nonce = new_challenge()
         self.peer: str | None = None  # the authenticated sender
         self.address = "?"
         self.closed = False
@@ -593,7 +583,7 @@ class _Inbound(asyncio.Protocol):
                 return
             self.peer = message["node"]
             self._disarm()
-            proof = welcome_mac(self.owner._token, message["nonce"], self.owner.node_id, self.peer)
+            proof = prove(self.owner._token, Purpose.PEER_WELCOME, message["nonce"], self.owner.node_id, self.peer)
             self._send({"t": "welcome", "node": self.owner.node_id, "mac": proof})
             self.owner._accepted(self, message["node"])
 

@@ -27,8 +27,8 @@ class JobRegistered:
     # True: the job's device memory is not accounted by the scheduler (a real process parked by
     # cuda-checkpoint, offload or an engine endpoint), so it must have its GPUs to itself when granted.
     exclusive: bool = False
-    # The cluster slot of the node the session is on (see cluster/ids.py); ``gpus`` are its GPUs.
-    node: int = 0
+    # The cluster slot of the node the session is on (see core/ids.py); ``gpus`` are its GPUs.
+    slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class AcquireRequested:
 
 
 @dataclass(frozen=True)
-class AcquireCancelled:
+class AcquireWithdrawn:
     session: SessionId
     request_id: int
 
@@ -111,11 +111,21 @@ class DrainRequested:
     on: bool
 
 
+@dataclass(frozen=True)
+class GroupsFrozen:
+    """These groups may grant and move nothing now, and why (a node they span is out of reach).
+
+    Every group not named is free again.
+    """
+
+    reasons: dict[str, str]
+
+
 Event = (
     JobRegistered
     | SessionClosed
     | AcquireRequested
-    | AcquireCancelled
+    | AcquireWithdrawn
     | ReleaseRequested
     | MemoryRequested
     | MemoryReleased
@@ -124,6 +134,7 @@ Event = (
     | ReclaimFinished
     | ForceReleaseRequested
     | DrainRequested
+    | GroupsFrozen
 )
 
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import errors
-from ..cluster.ids import gpu_slot
+from ..util.stats import median, percentile
 from .events import (
-    AcquireCancelled,
     AcquireRequested,
+    AcquireWithdrawn,
     AllocateRegion,
     DrainRequested,
     Effect,
@@ -40,6 +40,7 @@ from .events import (
     FailRequest,
     ForceReleaseRequested,
     GrantLock,
+    GroupsFrozen,
     JobExited,
     JobRegistered,
     MemoryReleased,
@@ -55,22 +56,11 @@ from .events import (
     SnapshotJob,
     Ticket,
 )
+from .ids import gpu_slot
+from .location import Cause, Location, moved
 
 RECENT = 512  # samples kept per group for medians and percentiles
 MAX_REQUESTS_PER_JOB = 256  # acquires of one job waiting at once (each of its processes may wait)
-
-
-class Location(enum.Enum):
-    """Where a job's device state lives on this node."""
-
-    RESIDENT = "resident"
-    PARKING = "parking"
-    PARKED = "parked"
-    RESTORING = "restoring"
-
-    @property
-    def occupies_device(self) -> bool:
-        return self is not Location.PARKED
 
 
 class GroupState(enum.Enum):
@@ -211,7 +201,7 @@ class Scheduler:
         self._pending_allocs: list[_PendingAlloc] = []
         self._deadlines: list[tuple[float, Ticket]] = []  # heap, stale entries skipped lazily
         self._next_op = 1
-        self.frozen: dict[str, str] = {}
+        self._frozen: dict[str, str] = {}  # group -> why nothing may be granted in it now (GroupsFrozen)
         self._settled: dict[
             int, dict[int, int]
         ] = {}  # settle op -> the job's whole footprint  # group -> why nothing may be granted in it now
@@ -219,7 +209,7 @@ class Scheduler:
             JobRegistered: self._on_registered,
             SessionClosed: self._on_session_closed,
             AcquireRequested: self._on_acquire,
-            AcquireCancelled: self._on_cancel,
+            AcquireWithdrawn: self._on_cancel,
             ReleaseRequested: self._on_release,
             MemoryRequested: self._on_memory_requested,
             MemoryReleased: self._on_memory_released,
@@ -228,6 +218,7 @@ class Scheduler:
             ReclaimFinished: self._on_reclaim_finished,
             ForceReleaseRequested: self._on_force_release,
             DrainRequested: self._on_drain,
+            GroupsFrozen: self._on_frozen,
         }
 
     # --- shell interface -------------------------------------------------------------
@@ -466,7 +457,7 @@ class Scheduler:
     def _on_registered(self, ev: JobRegistered, now: float) -> dict[str, Any]:
         if ev.session in self.sessions:
             raise errors.AlreadyRegistered(f"this connection already registered job {self.sessions[ev.session]!r}")
-        node_gpus = tuple(sorted(g for g in self.capacities if gpu_slot(g) == ev.node))
+        node_gpus = tuple(sorted(g for g in self.capacities if gpu_slot(g) == ev.slot))
         if ev.gpus is not None:
             if not ev.gpus:
                 raise errors.BadRequest("a group needs at least one GPU")
@@ -476,7 +467,7 @@ class Scheduler:
         group = self.groups.get(ev.group)
         gpus = tuple(sorted(set(ev.gpus))) if ev.gpus is not None else None
         # A group may span nodes: on each node it has one set of GPUs, fixed by its first registration there.
-        here = tuple(g for g in group.gpus if gpu_slot(g) == ev.node) if group is not None else ()
+        here = tuple(g for g in group.gpus if gpu_slot(g) == ev.slot) if group is not None else ()
         if here and gpus is not None and gpus != here:
             raise errors.GroupMismatch(f"group {ev.group!r} has GPUs {list(here)}, not {list(gpus)}")
         job = self.jobs.get(ev.job)
@@ -541,7 +532,7 @@ class Scheduler:
         if ev.deadline is not None:
             heapq.heappush(self._deadlines, (ev.deadline, ticket))
 
-    def _on_cancel(self, ev: AcquireCancelled, now: float) -> dict[str, bool]:
+    def _on_cancel(self, ev: AcquireWithdrawn, now: float) -> dict[str, bool]:
         job = self.job_of(ev.session)
         group = self.groups[job.group]
         ticket = (ev.session, ev.request_id)
@@ -621,31 +612,31 @@ class Scheduler:
         move = self._moves.get(ev.op)
         if move is None or move.kind == "reclaim":  # checked before popping: a raising event changes nothing
             raise ValueError(f"no snapshot or restore with op {ev.op}")
-        del self._moves[ev.op]
         job = self.jobs[move.job]
+        if move.kind == "snapshot":
+            # The backend keeps a failed snapshot resident: the memory stays taken.
+            cause = Cause.SNAPSHOT_DONE if ev.ok else Cause.SNAPSHOT_FAILED
+        elif ev.ok:
+            cause = Cause.RESTORE_DONE
+        else:
+            # The backend keeps a failed restore parked and gives its pages back, unless
+            # nobody knows (a node did not answer): then the memory counts as taken.
+            cause = Cause.RESTORE_UNKNOWN if ev.kept_memory else Cause.RESTORE_FAILED
+        location = moved(job.location, cause)
+        del self._moves[ev.op]
+        job.location = location
         job.bytes_moved += ev.nbytes
         group = self.groups[job.group]
         group.bytes_moved += ev.nbytes
         settled = self._settled.pop(ev.op, None)
-        if move.kind == "snapshot":
-            if ev.ok:
-                job.location = Location.PARKED
-                job.snapshots += 1
-                if settled is not None:
-                    job.footprint = {gpu: n for gpu, n in settled.items() if n}
-            else:
-                # The backend keeps a failed snapshot resident: the memory stays taken.
-                job.location = Location.RESIDENT
-                self._fault(job, f"snapshot failed: {ev.error}")
+        if cause is Cause.SNAPSHOT_DONE:
+            job.snapshots += 1
+            if settled is not None:
+                job.footprint = {gpu: n for gpu, n in settled.items() if n}
+        elif cause is Cause.RESTORE_DONE:
+            job.restores += 1
         else:
-            if ev.ok:
-                job.location = Location.RESIDENT
-                job.restores += 1
-            else:
-                # The backend keeps a failed restore parked and gives its pages back, unless
-                # nobody knows (a node did not answer): then the memory counts as taken.
-                job.location = Location.RESIDENT if ev.kept_memory else Location.PARKED
-                self._fault(job, f"restore failed: {ev.error}")
+            self._fault(job, f"{move.kind} failed: {ev.error}")
         if job.exiting:
             self._reclaim(job, now)
         for g in self.groups.values():
@@ -706,6 +697,13 @@ class Scheduler:
             group.queue = [w for w in group.queue if w.tickets]
         return {"group": group.name, "draining": group.draining, "holder": group.holder}
 
+    def _on_frozen(self, ev: GroupsFrozen, now: float) -> None:
+        self._frozen = dict(ev.reasons)
+
+    def frozen(self, group: str) -> str | None:
+        """Why ``group`` may grant nothing now, or None."""
+        return self._frozen.get(group)
+
     def _group(self, name: str) -> Group:
         group = self.groups.get(name)
         if group is None:
@@ -731,7 +729,7 @@ class Scheduler:
 
     def _advance(self, group: Group, now: float) -> None:
         """Grant the head of the queue, or start the switch it needs."""
-        if group.name in self.frozen:
+        if group.name in self._frozen:
             return  # a node of the group is out of reach: nothing is granted or moved until it is back
         if group.holder is not None:
             self._police_slice(group, now)
@@ -826,7 +824,7 @@ class Scheduler:
 
     def _plan_switch(self, job: Job) -> list[Job] | None:
         """The jobs to park before ``job`` may hold its group, or None to wait."""
-        need = job_footprint_missing(job) if job.location is Location.PARKED else {}
+        need = {gpu: n for gpu, n in job.footprint.items() if n} if job.location is Location.PARKED else {}
         victims = self._plan_evictions(need, exclude={job.name})
         rivals = self._exclusive_rivals(job)
         if victims is None or rivals is None:
@@ -987,15 +985,11 @@ class Scheduler:
         return self.groups[job.group].holder == job.name
 
     def _start_move(self, job: Job, kind: str, now: float) -> int:
+        job.location = moved(job.location, Cause.SNAPSHOT_STARTED if kind == "snapshot" else Cause.RESTORE_STARTED)
         op = self._next_op
         self._next_op += 1
         self._moves[op] = _Move(op, job.name, kind, now)
-        if kind == "snapshot":
-            job.location = Location.PARKING
-            self._emit(SnapshotJob(op, job.name))
-        else:
-            job.location = Location.RESTORING
-            self._emit(RestoreJob(op, job.name))
+        self._emit(SnapshotJob(op, job.name) if kind == "snapshot" else RestoreJob(op, job.name))
         return op
 
     def _reclaim(self, job: Job, now: float) -> None:
@@ -1096,7 +1090,7 @@ class Scheduler:
             "preemptions": g.preemptions,
             "switching_to": g.switch.incoming if g.switch else None,
             "draining": g.draining,
-            "frozen": self.frozen.get(g.name),
+            "frozen": self._frozen.get(g.name),
             "deferred": g.deferred,
             "grants": g.grants,
             "switches": g.switches,
@@ -1106,22 +1100,3 @@ class Scheduler:
             "median_wait_s": median(g.wait_times),
             "lock_duty": (g.held_total_s + (now - g.held_since if g.holder else 0.0)) / max(now - g.created_at, 1e-9),
         }
-
-
-def job_footprint_missing(job: Job) -> dict[int, int]:
-    """What a parked job needs on each GPU to come back."""
-    return {gpu: n for gpu, n in job.footprint.items() if n}
-
-
-def median(values: Iterable[float]) -> float | None:
-    return percentile(values, 0.5)
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    data = sorted(values)
-    if not data:
-        return None
-    pos = q * (len(data) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)

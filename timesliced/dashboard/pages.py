@@ -11,7 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .. import __version__, errors
+from .. import errors
+from ..version import __version__
 from .context import API, ASSETS, HUB, SETTINGS, SOURCE, TEMPLATES
 from .encoding import script_json
 from .params import DEFAULT_WINDOW_S, HttpError, window_param

@@ -37,7 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from .. import errors
-from ..node.compat import timeout
+from ..util.compat import timeout
 from .context import HUB, SETTINGS, SOURCE, DashboardSource
 from .encoding import dumps
 from .formatting import is_number

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.events import DrainRequested, ForceReleaseRequested
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from .root import Daemon
 
 
 MIN_WINDOW_S = 10.0

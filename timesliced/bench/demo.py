@@ -12,7 +12,6 @@ The same jobs then run one after another on a fresh daemon for comparison.
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -20,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .node.embedded import EmbeddedDaemon
+from ..daemon.embedded import EmbeddedDaemon
+from ..util.stats import median
 
 MiB = 1 << 20
 GPUS = 2
@@ -63,7 +63,7 @@ def worker(spec: dict[str, Any], address: str, scale: float, prefix: str = "") -
     It registers as ``prefix + spec["job"]``, so that a second run on the same
     daemon never meets a job of the first that is still being reclaimed.
     """
-    from .client import Client
+    from ..client import Client
 
     client = Client(job=prefix + spec["job"], group=GROUP, address=address)
     slices: list[dict[str, Any]] = []
@@ -113,7 +113,7 @@ def worker(spec: dict[str, Any], address: str, scale: float, prefix: str = "") -
 def _spawn(spec: JobSpec, address: str, scale: float, prefix: str) -> subprocess.Popen[str]:
     payload = json.dumps({"spec": spec.__dict__, "address": address, "scale": scale, "prefix": prefix})
     return subprocess.Popen(
-        [sys.executable, "-m", "timesliced.demo", "--worker", payload], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "timesliced.bench.demo", "--worker", payload], stdout=subprocess.PIPE, text=True
     )
 
 
@@ -184,7 +184,8 @@ def _union(spans: list[tuple[float, float]]) -> float:
 
 
 def _ms(values: list[float]) -> float | None:
-    return statistics.median(values) * 1000 if values else None
+    m = median(values)
+    return None if m is None else m * 1000
 
 
 def run_demo(
@@ -252,4 +253,4 @@ if __name__ == "__main__":
         job = json.loads(sys.argv[2])
         print(json.dumps(worker(job["spec"], job["address"], job["scale"], job.get("prefix", ""))))
     else:
-        raise SystemExit("usage: python -m timesliced.demo --worker SPEC (use `timesliced demo`)")
+        raise SystemExit("usage: python -m timesliced.bench.demo --worker SPEC (use `timesliced demo`)")

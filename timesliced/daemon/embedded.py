@@ -13,8 +13,8 @@ from typing import Any
 
 from ..backends.offload import Direct
 from ..config import DaemonConfig
-from .daemon import Daemon
 from .parking import Parking
+from .root import Daemon
 
 
 class EmbeddedDaemon:

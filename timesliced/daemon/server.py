@@ -5,7 +5,7 @@ half-frame, a client that stops reading or a handler that blows up closes
 (or answers) that one connection and touches nothing else.
 
 A TCP connection must also prove the deployment's shared token before any
-request other than its hello is served (``authz``); Unix-socket connections
+request other than its hello is served (``wire.proof``); Unix-socket connections
 are vouched for by the kernel.
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from .. import errors
 from ..wire.codec import FrameDecoder, encode
 from ..wire.messages import PROTOCOL_VERSION, Push, Reply, parse_request, quoted, request_id_of
-from .authz import new_challenge, proof_matches
+from ..wire.proof import Purpose, new_challenge, proof_matches
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class ClientServer:
         if self.lease:
             reply["lease_s"] = self.lease
         if conn.peer.transport == "tcp":
-            conn.challenge = reply["challenge"] = new_challenge()
+            conn.challenge = reply["challenge"] = new_challenge().hex()
         return reply
 
     def _auth(self, conn: Connection, op: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -308,7 +308,7 @@ class ClientServer:
             self.counters["auth_failures"] += 1
             raise errors.PermissionDenied(f"authenticate first: {op!r} needs the shared token over TCP")
         assert self._token is not None  # no TCP listener without one
-        if not proof_matches(self._token, conn.challenge, args.get("proof")):
+        if not proof_matches(self._token, Purpose.CLIENT, bytes.fromhex(conn.challenge), args.get("proof")):
             self.counters["auth_failures"] += 1
             log.warning("connection %d from %s: wrong token proof; closing", conn.id, conn.peer.address)
             raise errors.PermissionDenied("wrong token proof: this daemon's clients over TCP need its shared token")

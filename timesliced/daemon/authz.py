@@ -1,44 +1,17 @@
-"""Who may do what: the token proof of TCP clients, and the processes a connection may register.
+"""Who may register what: the processes a connection may put under its job.
 
 A Unix-socket client is trusted as far as the kernel vouches for it: the socket's
 file mode decides who may connect, and SO_PEERCRED says which process and user
-did. A TCP client proves the deployment's shared token instead: the daemon's
-hello reply carries a fresh random challenge, and the client answers with an
-HMAC-SHA256 of it keyed by the token, so the token never crosses the wire and a
-proof is good for one connection only.
+did. A TCP client proves the deployment's shared token instead (``wire.proof``),
+and its PIDs would be another machine's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import secrets
 from typing import Any
 
 from .. import errors
-from .processes import PID_MAX, descends_from, owner_uid
-
-CHALLENGE_BYTES = 32
-# Keeps a client's proof from ever passing for any other MAC keyed by the same token (the peers' handshake).
-PROOF_DOMAIN = b"timesliced client auth v1\0"
-
-
-def new_challenge() -> str:
-    """A fresh random challenge for one connection, as hex."""
-    return secrets.token_hex(CHALLENGE_BYTES)
-
-
-def client_proof(token: str, challenge: str) -> str:
-    """The hex proof that answers ``challenge`` with ``token``; raises ``ValueError`` if it is not hex."""
-    nonce = bytes.fromhex(challenge)
-    return hmac.new(token.encode(), PROOF_DOMAIN + nonce, hashlib.sha256).hexdigest()
-
-
-def proof_matches(token: str, challenge: str, proof: object) -> bool:
-    """Whether ``proof`` answers ``challenge`` for ``token`` (compared in constant time)."""
-    if not isinstance(proof, str):
-        return False
-    return hmac.compare_digest(client_proof(token, challenge).encode(), proof.encode("utf-8", "replace"))
+from ..util.processes import PID_MAX, descends_from, owner_uid
 
 
 def checked_pids(claimed: list[int], peer: Any) -> set[int]:

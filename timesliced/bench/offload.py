@@ -15,14 +15,14 @@ Two figures:
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
-from .bench import DaemonProcess, _quantile
-from .client.offload import Offloader
+from ..client.offload import Offloader
+from ..util.stats import median, percentile
+from .common import DaemonProcess
 
 MiB = 1 << 20
 REGION = 256 * MiB
@@ -30,10 +30,10 @@ REGION = 256 * MiB
 
 def _memory(device: str) -> Any:
     if device == "cuda":
-        from .client.device_memory import CudaDeviceMemory
+        from ..client.device_memory import CudaDeviceMemory
 
         return CudaDeviceMemory()
-    from .client.device_memory import HostDeviceMemory
+    from ..client.device_memory import HostDeviceMemory
 
     return HostDeviceMemory(gpus=1)
 
@@ -58,12 +58,12 @@ def copy_figures(mib: int, rounds: int, device: str) -> dict[str, Any]:
             "device": device,
             "bytes": mib * MiB,
             "rounds": rounds,
-            "d2h_gbps_p50": statistics.median(s.gbps for s in parks),
+            "d2h_gbps_p50": median(s.gbps for s in parks),
             "d2h_gbps_max": max(s.gbps for s in parks),
-            "h2d_gbps_p50": statistics.median(s.gbps for s in unparks),
+            "h2d_gbps_p50": median(s.gbps for s in unparks),
             "h2d_gbps_max": max(s.gbps for s in unparks),
-            "park_s_p50": statistics.median(s.seconds for s in parks),
-            "unpark_s_p50": statistics.median(s.seconds for s in unparks),
+            "park_s_p50": median(s.seconds for s in parks),
+            "unpark_s_p50": median(s.seconds for s in unparks),
             "verified_round_trip_s": checked[0].seconds + checked[1].seconds,
         }
     finally:
@@ -73,7 +73,7 @@ def copy_figures(mib: int, rounds: int, device: str) -> dict[str, Any]:
 def switch_worker(address: str, job: str, turns: int) -> dict[str, Any]:
     import timesliced
 
-    from .client.device_memory import HostDeviceMemory
+    from ..client.device_memory import HostDeviceMemory
 
     off = Offloader(HostDeviceMemory(gpus=1))
     off.alloc(MiB, tag="weights")
@@ -95,7 +95,7 @@ def switch_figures(switches: int) -> dict[str, Any]:
     with DaemonProcess("--gpus", "1", "--gpu-memory", "64MiB") as daemon:
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "timesliced.bench_offload", json.dumps([daemon.socket, job, switches // 2])],
+                [sys.executable, "-m", "timesliced.bench.offload", json.dumps([daemon.socket, job, switches // 2])],
                 stdout=subprocess.PIPE,
                 text=True,
             )
@@ -107,7 +107,7 @@ def switch_figures(switches: int) -> dict[str, Any]:
     times = [s * 1000 for out in outs for s in json.loads(out.strip().splitlines()[-1])["switch_s"]]
     if not times:
         raise RuntimeError("the jobs never switched")
-    return {"switches": len(times), "switch_p50_ms": _quantile(times, 0.5), "switch_p99_ms": _quantile(times, 0.99)}
+    return {"switches": len(times), "switch_p50_ms": percentile(times, 0.5), "switch_p99_ms": percentile(times, 0.99)}
 
 
 def run_offload(mib: int = 1024, rounds: int = 5, device: str = "host", switches: int = 200) -> dict[str, Any]:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import errors
-from ..backends.base import METHODS, Backend, DeviceInfo, GpuMemory, ParkSpec
+from ..backends.base import Backend, DeviceInfo, GpuMemory
 from ..backends.offload import Direct, OffloadBackend
 from ..config import DaemonConfig
-from ..wire.messages import arg_int, arg_str, arg_str_list
+from ..wire.park import METHODS
 
 if TYPE_CHECKING:
     from ..backends.cuda_checkpoint import CudaCheckpointBackend
@@ -142,24 +142,3 @@ def _open_cuda_checkpoint(config: DaemonConfig, nvml: Any) -> tuple[CudaCheckpoi
     except errors.BackendUnavailable as exc:
         return None, exc.message
     return backend, "ok"
-
-
-def parse_park(raw: Any, default: str) -> ParkSpec:
-    """The ``park`` argument of ``register``; raises ``BadRequest``."""
-    if raw is None:
-        return ParkSpec(default)
-    if not isinstance(raw, dict):
-        raise errors.BadRequest("'park' must be a map with a 'method'")
-    method = arg_str(raw, "method")
-    if method not in METHODS:
-        raise errors.BadRequest(f"unknown parking method {method!r} (known: {', '.join(METHODS)})")
-    endpoints = arg_str_list(raw, "endpoints", max_chars=2048)
-    if method in ("vllm", "sglang") and not endpoints:
-        raise errors.BadRequest(f"a job parked with {method} needs 'endpoints' (the engines' base URLs)")
-    for url in endpoints:
-        if not url.startswith(("http://", "https://")):
-            raise errors.BadRequest(f"endpoint {url!r} is not an http(s) URL")
-    level = arg_int(raw, "level", default=1)
-    if level not in (1, 2):
-        raise errors.BadRequest("'level' must be 1 (keep weights in host memory) or 2 (discard them)")
-    return ParkSpec(method, tuple(endpoints), tuple(arg_str_list(raw, "tags", max_chars=128)), level)

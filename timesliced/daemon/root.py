@@ -20,27 +20,28 @@ from typing import Any
 
 from aiohttp import web
 
-from .. import __version__, errors
-from ..backends.base import JobTarget, MoveResult, ParkSpec
+from .. import errors
+from ..backends.base import JobTarget, MoveResult
 from ..backends.offload import Direct
-from ..client.protocol import park_to_wire
-from ..cluster.node import PENDING, Allocate, ClusterNode, Fail, Granted, Noted, Push, Reply, RunMove, Send
-from ..cluster.state import load_election, save_election
+from ..cluster.node import PENDING, Allocate, ClusterNode, Fail, Noted, Push, RecordGrant, Reply, RunMove, Send
 from ..cluster.transport import PeerTransport
 from ..config import DaemonConfig
 from ..core.election import Persist
 from ..core.events import DrainRequested, ForceReleaseRequested
 from ..core.history import GroupView, History
 from ..metrics import Metrics
-from ..telemetry import SimGpuSource, SwitchLog, Telemetry
+from ..telemetry import MoveLog, SimGpuSource, Telemetry
+from ..util.compat import TaskGroup, timeout
+from ..util.processes import descendants, pid_alive
+from ..version import __version__
 from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str, quoted
+from ..wire.park import ParkSpec
 from .authz import checked_pids
-from .compat import TaskGroup, timeout
+from .dashboard_source import DaemonView
+from .election_file import load_election, save_election
 from .journal import Journal
-from .parking import Parking, open_parking, parse_park
-from .processes import descendants, pid_alive
+from .parking import Parking, open_parking
 from .server import DEFERRED, ClientServer, Connection
-from .view import DaemonView
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class Daemon:
         self.metrics = Metrics(self.status, node=config.node)
         self.web_url: str | None = None
         self._web: web.AppRunner | None = None
-        self.switches = SwitchLog()
+        self.moves = MoveLog()
         self.history = History()
         self.started_at = time.time()
         self.started_loop = 0.0  # loop time at run()
@@ -252,7 +253,7 @@ class Daemon:
         gpus = arg_int_list(args, "gpus", max_len=64)
         job = arg_str(args, "job")
         group = arg_str(args, "group")
-        spec = parse_park(args.get("park"), self.parking.default)
+        spec = ParkSpec.from_wire(args.get("park"), self.parking.default)
         self.parking.backend(spec.method)  # refuses a method this node cannot run
         known = self._park.get(job)
         if known is not None and known != spec and job in self.cluster.jobs:
@@ -411,7 +412,7 @@ class Daemon:
         }
 
     def _moves_with_wall_times(self) -> dict[str, Any]:
-        moves = self.switches.describe()
+        moves = self.moves.describe()
         wall = time.time() - self._now()
         for move in moves["recent"]:
             move["t"] = move["at"] + wall  # epoch seconds, like every time the dashboard shows
@@ -478,7 +479,7 @@ class Daemon:
                 self._spawn(self._move(effect))
         elif isinstance(effect, Allocate):
             self._allocate(effect)
-        elif isinstance(effect, Granted):
+        elif isinstance(effect, RecordGrant):
             g = effect.grant
             self._crash_point("at-grant")
             log.debug("grant %s fence %d to %s (restored=%s)", g.group, g.fence, g.job, g.restored)
@@ -546,7 +547,7 @@ class Daemon:
         try:
             if result.footprint:
                 self._measured[effect.job] = dict(result.footprint)
-            self.switches.record(effect.job, kind, result.nbytes, result.seconds, self._now())
+            self.moves.record(effect.job, kind, result.nbytes, result.seconds, self._now())
             self.metrics.observe_move(kind, backend.name, result.nbytes, result.seconds)
         except Exception:  # figures are not worth a lost move: the scheduler must hear of it
             log.exception("recording the %s of job %r failed", kind, effect.job)
@@ -618,7 +619,7 @@ class Daemon:
             return
         picture = self.cluster.durable(self._now())
         jobs = self.cluster.jobs
-        picture["park"] = {job: park_to_wire(spec) for job, spec in self._park.items() if job in jobs}
+        picture["park"] = {job: spec.to_wire() for job, spec in self._park.items() if job in jobs}
         checkpoint: Any = self.parking.backends.get("cuda-checkpoint")
         if checkpoint is not None:  # where each parked job's processes stand, for the driver after a restart
             picture["backend"] = {job: record for job in jobs if (record := checkpoint.parked(job)) is not None}
@@ -640,7 +641,7 @@ class Daemon:
         for entry in picture["jobs"]:
             name = entry.get("job")
             try:
-                spec = parse_park(picture["park"].get(name), self.parking.default)
+                spec = ParkSpec.from_wire(picture["park"].get(name), self.parking.default)
                 settled = await self._settle_after_restart(entry, spec, picture.get("backend", {}).get(name))
             except Exception as exc:  # one bad entry never stops the others
                 log.error("job %r of the journal is not taken up: %s", name, exc)

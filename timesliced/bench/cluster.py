@@ -8,12 +8,9 @@ and ``timesliced bench failover`` use it to measure.
 
 from __future__ import annotations
 
-import itertools
 import json
 import secrets
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,13 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .client.sync import daemon_status
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ..client.sync import daemon_status
+from ..util.stats import median
+from .common import double_grants, free_port, read_grants
 
 
 class LocalCluster:
@@ -178,32 +171,6 @@ def spawn_worker(job: str, group: str, sock: Path, seconds: float, size: int, lo
     )
 
 
-def read_grants(*logs: Path) -> list[dict[str, Any]]:
-    grants = []
-    for log in logs:
-        if log.exists():
-            grants += [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return sorted(grants, key=lambda g: g["start"])
-
-
-def double_grants(grants: list[dict[str, Any]]) -> int:
-    """Pairs of different jobs whose held intervals of one group overlap, or (term, fence) reused by another job."""
-    bad = 0
-    by_group: dict[str, list[dict[str, Any]]] = {}
-    for g in grants:
-        by_group.setdefault(g["group"], []).append(g)
-    for held in by_group.values():
-        owner: dict[tuple[int, int], str] = {}
-        for g in held:
-            stamp = (g["term"], g["fence"])
-            if owner.setdefault(stamp, g["job"]) != g["job"]:
-                bad += 1
-        for a, b in itertools.pairwise(held):
-            if a["job"] != b["job"] and b["start"] < a["end"]:
-                bad += 1
-    return bad
-
-
 # --- benchmarks ------------------------------------------------------------------------------
 
 
@@ -239,7 +206,7 @@ def bench_failover(kills: int, workers_per_node: int = 2) -> dict[str, Any]:
         grants = read_grants(*all_logs)
         return {
             "kills": kills,
-            "failover_p50_s": statistics.median(times) if times else None,
+            "failover_p50_s": median(times),
             "failover_max_s": max(times) if times else None,
             "failovers_measured": len(times),
             "double_grants": double_grants(grants),
@@ -247,11 +214,3 @@ def bench_failover(kills: int, workers_per_node: int = 2) -> dict[str, Any]:
             "lost_reasons": lost_reasons,
             "grants": len(grants),
         }
-
-
-def print_figures(figures: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(figures, indent=2))
-        return
-    for key, value in figures.items():
-        print(f"{key:>22}: {value:.4f}" if isinstance(value, float) else f"{key:>22}: {value}")

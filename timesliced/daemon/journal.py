@@ -11,7 +11,7 @@ checksum and the other slot is still whole. Nothing is fsynced: the journal has 
 outlive the daemon process, not the machine. Parked state lives in host memory
 (shared memory, or the job's own process with cuda-checkpoint and offload), which a
 reboot loses anyway, and the page cache survives ``kill -9``. The election's term,
-which must survive a reboot, is fsynced separately (``cluster/state.py``).
+which must survive a reboot, is fsynced separately (``daemon/election_file.py``).
 """
 
 from __future__ import annotations

@@ -20,65 +20,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .client.protocol import Grant
-from .config import default_sim_dir
+from ..client.protocol import Grant
+from ..util.stats import percentile
+from .common import DaemonProcess
 
 GROUP = "bench"
-
-
-def _quantile(values: list[float], q: float) -> float:
-    data = sorted(values)
-    return data[min(len(data) - 1, int(q * len(data)))]
-
-
-class DaemonProcess:
-    """``timesliced serve`` as a child process on a fresh state dir."""
-
-    def __init__(self, *extra: str) -> None:
-        self.state = Path(tempfile.mkdtemp(prefix="timesliced-bench-"))
-        self.socket = str(self.state / "timesliced.sock")
-        cmd = [sys.executable, "-m", "timesliced", "serve", "--backend", "sim", "--state-dir", str(self.state)]
-        cmd += ["--log-level", "WARNING", "--web", "off"]
-        self.proc = subprocess.Popen([*cmd, "--socket", self.socket, *extra])
-        deadline = time.monotonic() + 30
-        while not _answers(self.socket):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("the benchmark daemon did not start")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(default_sim_dir(self.state), ignore_errors=True)
-        shutil.rmtree(self.state, ignore_errors=True)
-
-    def __enter__(self) -> DaemonProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _answers(path: str) -> bool:
-    try:
-        with socket.socket(socket.AF_UNIX) as s:
-            s.connect(path)
-        return True
-    except OSError:
-        return False
 
 
 # --- workers (run in their own processes) --------------------------------------------
 
 
 def handoff_worker(address: str, job: str, jobs: int, rounds: int, hold_s: float) -> dict[str, Any]:
-    from .client import Client
+    from ..client import Client
 
     with Client(job=job, group=GROUP, address=address) as client:
         while len(client.status()["jobs"]) < jobs:  # start together
@@ -95,7 +48,7 @@ def handoff_worker(address: str, job: str, jobs: int, rounds: int, hold_s: float
 
 
 def uncontended_worker(address: str, rounds: int) -> dict[str, Any]:
-    from .client import Client
+    from ..client import Client
 
     with Client(job="solo", group=f"{GROUP}-solo", address=address) as client:
         client.acquire()
@@ -110,7 +63,7 @@ def uncontended_worker(address: str, rounds: int) -> dict[str, Any]:
             t = time.perf_counter()
             client.ping()
             pings.append(time.perf_counter() - t)
-    return {"acquire_release_per_s": rounds / elapsed, "ping_rtt_p50_ms": _quantile(pings, 0.5) * 1000}
+    return {"acquire_release_per_s": rounds / elapsed, "ping_rtt_p50_ms": (percentile(pings, 0.5) or 0.0) * 1000}
 
 
 def echo_server(path: str) -> None:
@@ -127,7 +80,9 @@ def echo_server(path: str) -> None:
 
 def loopback_rtt(rounds: int) -> float:
     path = os.path.join(tempfile.mkdtemp(prefix="timesliced-echo-"), "echo.sock")
-    server = subprocess.Popen([sys.executable, "-m", "timesliced.bench", "--echo", path], stdout=subprocess.PIPE)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "timesliced.bench.handoff", "--echo", path], stdout=subprocess.PIPE
+    )
     try:
         assert server.stdout is not None
         server.stdout.readline()
@@ -142,7 +97,7 @@ def loopback_rtt(rounds: int) -> float:
                 while got < len(message):
                     got += len(s.recv(4096))
                 samples.append(time.perf_counter() - t)
-        return _quantile(samples, 0.5) * 1000
+        return (percentile(samples, 0.5) or 0.0) * 1000
     finally:
         server.kill()
         server.wait()
@@ -154,7 +109,9 @@ def loopback_rtt(rounds: int) -> float:
 
 def _run_worker(*args: Any) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "timesliced.bench", "--worker", json.dumps(args)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "timesliced.bench.handoff", "--worker", json.dumps(args)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -175,7 +132,7 @@ def run_handoff(rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001, nodes:
     if jobs < 2 or rounds < 10:
         raise ValueError("need at least 2 jobs and 10 rounds")
     if nodes > 1:
-        from .bench_cluster import LocalCluster
+        from .cluster import LocalCluster
 
         with tempfile.TemporaryDirectory(prefix="timesliced-bench-") as tmp, LocalCluster(Path(tmp), nodes) as cluster:
             cluster.start_all()
@@ -199,14 +156,16 @@ def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float) -> dic
         for prev, nxt in itertools.pairwise(slices)
         if nxt[3] != prev[3] and nxt[2] == prev[2] + 1
     ]
+    if not handoffs:
+        raise RuntimeError("the jobs never handed the lock to each other: no handoff to measure")
     floor = loopback_rtt(min(rounds, 5000))
-    p50 = _quantile(handoffs, 0.5)
+    p50 = percentile(handoffs, 0.5) or 0.0
     return {
         "jobs": jobs,
         "rounds": len(slices),
         "handoffs": len(handoffs),
         "handoff_p50_ms": p50,
-        "handoff_p99_ms": _quantile(handoffs, 0.99),
+        "handoff_p99_ms": percentile(handoffs, 0.99),
         "handoff_max_ms": max(handoffs),
         "acquire_release_per_s": solo["acquire_release_per_s"],
         "ping_rtt_p50_ms": solo["ping_rtt_p50_ms"],

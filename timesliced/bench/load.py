@@ -68,12 +68,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from . import errors
-from .bench import DaemonProcess, _quantile
-from .bench_cluster import double_grants, read_grants
-from .client.protocol import Grant
-from .client.sync import Client, daemon_status
-from .config import DaemonConfig
+from .. import errors
+from ..client.protocol import Grant
+from ..client.sync import Client, daemon_status
+from ..config import DaemonConfig
+from ..util.stats import percentile
+from .common import DaemonProcess, double_grants, read_grants
 
 MiB = 1 << 20
 REGION_BYTES = MiB
@@ -245,7 +245,7 @@ class Fleet:
             "start_timeout": timeout,
         }
         with open(self.root / f"{job}.err", "wb") as err:  # the child keeps its own descriptor
-            cmd = [sys.executable, "-m", "timesliced.bench_load", "--client", json.dumps(spec)]
+            cmd = [sys.executable, "-m", "timesliced.bench.load", "--client", json.dumps(spec)]
             self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err))
         self.logs.append(log)
         self._buffers.append(b"")
@@ -446,15 +446,15 @@ def summarize(
         "elapsed_s": elapsed,
         "ops": len(measured),
         "ops_per_s": len(measured) / elapsed,
-        "p50_ms": _percentile(rounds, 0.5),
-        "p99_ms": _percentile(rounds, 0.99),
+        "p50_ms": percentile(rounds, 0.5),
+        "p99_ms": percentile(rounds, 0.99),
         "max_ms": max(rounds, default=None),
-        "acquire_p50_ms": _percentile(acquire, 0.5),
-        "acquire_p99_ms": _percentile(acquire, 0.99),
-        "release_p50_ms": _percentile(release, 0.5),
-        "release_p99_ms": _percentile(release, 0.99),
-        "switch_p50_ms": _percentile(switch, 0.5),
-        "switch_p99_ms": _percentile(switch, 0.99),
+        "acquire_p50_ms": percentile(acquire, 0.5),
+        "acquire_p99_ms": percentile(acquire, 0.99),
+        "release_p50_ms": percentile(release, 0.5),
+        "release_p99_ms": percentile(release, 0.99),
+        "switch_p50_ms": percentile(switch, 0.5),
+        "switch_p99_ms": percentile(switch, 0.99),
         "errors": sum(s["errors"] for s in reported),
         "data_errors": sum(s["data_errors"] for s in reported),
         "lost_grants": lost_fences(grants, after.fences) + sum(s["stuck"] for s in reported) + summaries.count(None),
@@ -484,10 +484,6 @@ def lost_fences(grants: list[dict[str, Any]], fences: dict[str, int]) -> int:
 def failed(figures: dict[str, Any]) -> bool:
     """True if the run saw any error, data error, lost grant or double grant."""
     return any(figures[key] for key in ("errors", "data_errors", "lost_grants", "double_grants"))
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    return _quantile(values, q) if values else None
 
 
 if __name__ == "__main__":
