@@ -19,7 +19,7 @@ except ImportError:  # the browser fixture explains; CI wants a failure, not a s
         raise
     pytest.skip("the Python package playwright is not installed", allow_module_level=True)
 
-from timesliced import demo
+from timesliced.bench import demo
 from timesliced.daemon.embedded import EmbeddedDaemon
 
 from .conftest import screenshot, wait_live

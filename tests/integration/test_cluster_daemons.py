@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from timesliced.bench.cluster import LocalCluster, double_grants, free_port, read_grants, spawn_worker
+from timesliced.bench.cluster import LocalCluster, spawn_worker
+from timesliced.bench.common import double_grants, free_port, read_grants
 
 from ..fakes.proxy import ProxyMesh
 

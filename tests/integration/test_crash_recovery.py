@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from timesliced.bench.cluster import double_grants, read_grants, spawn_worker
+from timesliced.bench.cluster import spawn_worker
+from timesliced.bench.common import double_grants, read_grants
 from timesliced.client.sync import daemon_status
 from timesliced.config import CRASH_POINTS
 
