@@ -25,6 +25,7 @@ except ImportError:  # the browser fixture explains; CI wants a failure, not a s
 from timesliced import errors
 from timesliced.dashboard import fmt_bytes, fmt_duration, fmt_gbps, fmt_pct, job_color, make_app
 
+from ..helpers import status_docs
 from .conftest import Console, ServedApp, screenshot, wait_live
 
 MiB = 1 << 20
@@ -175,6 +176,7 @@ class EvolvingSource:
                     "median_wait_s": 3.5,
                     "lock_duty": 0.87,
                     "draining": self.draining[name],
+                    "frozen": None,
                     "deferred": 0,
                 }
             )
@@ -203,43 +205,34 @@ class EvolvingSource:
             "version": "0.1.0",
             "pid": 4000,
             "backend": "sim",
+            "parking": status_docs.parking(),
+            "addresses": ["/run/timesliced/timesliced.sock"],
             "uptime_s": now - self.t0,
             "connections": 4,
+            "counters": status_docs.counters(accepted=4),
             "devices": devices,
             "groups": groups,
             "jobs": jobs,
-            "telemetry": {
-                "source": "sim",
-                "reason": None,
-                "gpus": [
-                    {
-                        "index": i,
-                        "name": f"sim-gpu{i}",
-                        "memory_total": 64 * MiB,
-                        "memory_used": devices[i]["used"] + 2 * MiB,
-                        "duty_now": 0.9 if i == 0 else 0.35,
-                        "duty_window": 0.72 if i == 0 else 0.31,
-                        "window_s": 60.0,
-                        "processes": {str(4242 + i): devices[i]["used"]},
-                    }
+            "cluster": status_docs.cluster("node-a"),
+            "telemetry": status_docs.telemetry(
+                *(
+                    status_docs.gpu(
+                        i,
+                        total=64 * MiB,
+                        used=devices[i]["used"] + 2 * MiB,
+                        duty_now=0.9 if i == 0 else 0.35,
+                        duty_window=0.72 if i == 0 else 0.31,
+                        processes={str(4242 + i): devices[i]["used"]},
+                    )
                     for i in (0, 1)
-                ],
-            },
+                )
+            ),
             "moves": {
                 "recent": [
-                    {"job": "rl-math", "kind": "snapshot", "nbytes": 24 * MiB, "seconds": 0.2, "gbps": 0.126, "t": now},
-                    {"job": "rl-math", "kind": "restore", "nbytes": 24 * MiB, "seconds": 0.25, "gbps": 0.1, "t": now},
+                    status_docs.move("rl-math", "snapshot", 24 * MiB, 0.2, now),
+                    status_docs.move("rl-math", "restore", 24 * MiB, 0.25, now),
                 ],
-                "jobs": {
-                    "rl-math": {
-                        "count": 2,
-                        "snapshots": 1,
-                        "restores": 1,
-                        "nbytes": 48 * MiB,
-                        "seconds": 0.45,
-                        "median_gbps": 0.113,
-                    }
-                },
+                "jobs": {"rl-math": status_docs.job_moves(2, 1, 1, 48 * MiB, 0.45)},
             },
         }
 

@@ -260,7 +260,7 @@ def test_bad_offload_answers_are_refused_and_the_daemon_goes_on(
             return super().park(tags, verify=verify)
 
         def pending(self) -> int:
-            return max(daemon.daemon._directives) if daemon.daemon else -1  # type: ignore[union-attr]
+            return daemon.daemon.directives.last if daemon.daemon else -1
 
     liar = Liar()
     with offload_client(daemon, "liar", liar) as liar_client, offload_client(daemon, "b", Recorder()) as b:

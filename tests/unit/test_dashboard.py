@@ -33,6 +33,8 @@ from timesliced.dashboard import (
     timeline_delta,
 )
 
+from ..helpers import status_docs
+
 MiB = 1 << 20
 TOKEN = "tok-0123456789abcdef"
 NOW = 1_700_000_000.0
@@ -55,7 +57,7 @@ def sample_status() -> dict[str, Any]:
         "addresses": ["/tmp/x.sock"],
         "uptime_s": 75.0,
         "connections": 3,
-        "counters": {"accepted": 3, "refused": 0, "protocol_errors": 0, "internal_errors": 0},
+        "counters": status_docs.counters(accepted=3),
         "devices": [
             {
                 "index": 0,
@@ -77,9 +79,10 @@ def sample_status() -> dict[str, Any]:
                 "held_s": 12.5,
                 "fence": 7,
                 "queue": [
-                    {"job": "rl-math", "waited_s": 3.25, "requests": 1, "preempted": True},
-                    {"job": "rl-code", "waited_s": 1.5, "requests": 2, "kept_for_s": 12.0},
+                    status_docs.place("rl-math", 3.25, preempted=True),
+                    status_docs.place("rl-code", 1.5, 2, kept_for_s=12.0),
                 ],
+                "frozen": None,
                 "max_slice_s": 300.0,
                 "slice_action": "preempt",
                 "overdue_s": 4.0,
@@ -149,40 +152,26 @@ def sample_status() -> dict[str, Any]:
                 "measured": {},
             },
         ],
-        "telemetry": {
-            "source": "sim",
-            "reason": None,
-            "gpus": [
-                {
-                    "index": 0,
-                    "name": "sim-gpu0",
-                    "memory_total": 64 * MiB,
-                    "memory_used": 48 * MiB,
-                    "duty_now": 0.93,
-                    "duty_window": 0.61,
-                    "window_s": 60.0,
-                    "processes": {"5002": 40 * MiB, "5001": 0},
-                },
-                {
-                    "index": 1,
-                    "name": "sim-gpu1",
-                    "memory_total": 64 * MiB,
-                    "memory_used": 0,
-                    "duty_now": 0.0,
-                    "duty_window": 0.0,
-                    "window_s": 60.0,
-                    "processes": {},
-                },
-            ],
-        },
+        "cluster": status_docs.cluster("node-7"),
+        "telemetry": status_docs.telemetry(
+            status_docs.gpu(
+                0,
+                total=64 * MiB,
+                used=48 * MiB,
+                duty_now=0.93,
+                duty_window=0.61,
+                processes={"5002": 40 * MiB, "5001": 0},
+            ),
+            status_docs.gpu(1, total=64 * MiB, used=0, duty_now=0.0, duty_window=0.0),
+        ),
         "moves": {
             "recent": [
-                {"job": "rl-math", "kind": "snapshot", "nbytes": 40 * MiB, "seconds": 0.05, "gbps": 0.84, "t": NOW},
-                {"job": "sft-chat", "kind": "restore", "nbytes": 40 * MiB, "seconds": 0.08, "gbps": 0.52, "t": NOW},
+                status_docs.move("rl-math", "snapshot", 40 * MiB, 0.05, NOW),
+                status_docs.move("sft-chat", "restore", 40 * MiB, 0.08, NOW),
             ],
             "jobs": {
-                "rl-math": {"count": 5, "snapshots": 3, "restores": 2, "nbytes": 200 * MiB, "seconds": 0.25},
-                "sft-chat": {"count": 2, "snapshots": 1, "restores": 1, "nbytes": 80 * MiB, "seconds": 0.15},
+                "rl-math": status_docs.job_moves(5, 3, 2, 200 * MiB, 0.25),
+                "sft-chat": status_docs.job_moves(2, 1, 1, 80 * MiB, 0.15),
             },
         },
     }

@@ -136,9 +136,9 @@ def owner(module: str, table: dict[str, tuple[str, ...]]) -> str | None:
     best: tuple[int, str] | None = None
     for name, prefixes in table.items():
         for prefix in prefixes:
-            if module == prefix or (prefix and module.startswith(prefix + ".")):
-                if best is None or len(prefix) > best[0]:
-                    best = (len(prefix), name)
+            inside = module == prefix or (prefix and module.startswith(prefix + "."))
+            if inside and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), name)
     return best[1] if best else None
 
 

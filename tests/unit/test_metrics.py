@@ -13,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from timesliced.metrics import BUCKETS, Metrics
 
+from ..helpers import status_docs
+
 Labels = frozenset[tuple[str, str]]
 
 # A status document as Daemon.status() returns it: one group of two GPUs held by sft-chat
@@ -22,9 +24,11 @@ STATUS: dict[str, Any] = {
     "version": "0.1.0",
     "pid": 18684,
     "backend": "sim",
+    "parking": status_docs.parking(),
+    "addresses": ["/run/timesliced/timesliced.sock"],
     "uptime_s": 12.5,
     "connections": 3,
-    "counters": {"accepted": 3, "refused": 0, "protocol_errors": 0, "internal_errors": 0},
+    "counters": status_docs.counters(accepted=3),
     "devices": [
         {
             "index": 0,
@@ -45,10 +49,12 @@ STATUS: dict[str, Any] = {
             "holder": "sft-chat",
             "held_s": 0.37,
             "fence": 2,
-            "queue": [
-                {"job": "rl-math", "waited_s": 0.30, "requests": 1},
-                {"job": "rl-code", "waited_s": 0.30, "requests": 1},
-            ],
+            "queue": [status_docs.place("rl-math", 0.30), status_docs.place("rl-code", 0.30)],
+            "overdue_s": None,
+            "max_slice_s": None,
+            "slice_action": None,
+            "preemptions": 0,
+            "frozen": None,
             "switching_to": None,
             "draining": False,
             "deferred": 1,
@@ -114,30 +120,12 @@ STATUS: dict[str, Any] = {
             "measured": {},
         },
     ],
-    "telemetry": {
-        "source": "sim",
-        "interval_s": 1.0,
-        "gpus": [
-            {
-                "index": 0,
-                "name": "sim-gpu0",
-                "memory_total": 67108864,
-                "memory_used": 50331648,
-                "duty_now": 1.0,
-                "duty_window": 0.75,
-                "window_s": 60.0,
-            },
-            {
-                "index": 1,
-                "name": "sim-gpu1",
-                "memory_total": 67108864,
-                "memory_used": None,  # no sample yet: the scheduler's figure stands in
-                "duty_now": 0.0,
-                "duty_window": 0.5,
-                "window_s": 60.0,
-            },
-        ],
-    },
+    "cluster": status_docs.cluster("vm"),
+    "telemetry": status_docs.telemetry(
+        status_docs.gpu(0, total=67108864, used=50331648, duty_now=1.0, duty_window=0.75),
+        # no sample yet: the scheduler's figure stands in
+        status_docs.gpu(1, total=67108864, used=None, duty_now=0.0, duty_window=0.5),
+    ),
     "moves": {"recent": [], "jobs": {}},
 }
 
@@ -151,6 +139,8 @@ EXPECTED_STATUS_SERIES: dict[str, dict[Labels, float]] = {
         frozenset({("event", "refused")}): 0.0,
         frozenset({("event", "protocol_errors")}): 0.0,
         frozenset({("event", "internal_errors")}): 0.0,
+        frozenset({("event", "auth_failures")}): 0.0,
+        frozenset({("event", "leases_expired")}): 0.0,
     },
     "timesliced_group_queue_depth": {frozenset({("group", "pool")}): 2.0},
     "timesliced_group_holder": {frozenset({("group", "pool"), ("job", "sft-chat")}): 1.0},

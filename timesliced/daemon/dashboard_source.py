@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..core.events import DrainRequested, ForceReleaseRequested
+from ..wire.status import Status
 
 if TYPE_CHECKING:
     from .root import Daemon
@@ -22,7 +23,7 @@ class DaemonView:
     def __init__(self, daemon: Daemon) -> None:
         self._d = daemon
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         return self._d.status()
 
     def timeline(self, window_s: float) -> dict[str, Any]:

@@ -27,6 +27,8 @@ from ..wire.park import METHODS
 
 if TYPE_CHECKING:
     from ..backends.cuda_checkpoint import CudaCheckpointBackend
+    from ..backends.sim import SimBackend
+    from ..nvml import Nvml
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,8 @@ class Parking:
     device_source: str  # "sim" | "nvml"
     backends: dict[str, Backend]
     unavailable: dict[str, str] = field(default_factory=dict)  # method -> why not on this node
-    nvml: Any = None  # the open NVML handle, when there is a driver
-    sim: Any = None  # the SimBackend, when the devices are simulated
+    nvml: Nvml | None = None  # the open NVML handle, when there is a driver
+    sim: SimBackend | None = None  # the simulated GPUs' backend, when the devices are simulated
 
     def backend(self, method: str) -> Backend:
         found = self.backends.get(method)

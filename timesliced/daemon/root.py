@@ -1,9 +1,9 @@
-"""The node daemon: the composition root that wires the shells to the core.
+"""The node daemon: the composition root that wires the shells to the cluster core.
 
-The scheduler core decides; this module feeds it events (requests from
-connections, finished backend moves, timers, exited processes) and carries out
-the effects it returns. All scheduler state is touched from the event loop
-thread only, within one step, so no locks are needed.
+Its parts, each in a module of its own: the client server (``server``) and its ops (``ops``),
+offload directives (``directives``), moves through the backends (``moves``), the journal and crash
+recovery (``journal``, ``recovery``), the status document (``status``), and fault injection
+(``crash``).
 """
 
 from __future__ import annotations
@@ -11,17 +11,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import random
-import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from .. import errors
-from ..backends.base import JobTarget, MoveResult
+from ..backends.base import JobTarget
 from ..backends.offload import Direct
 from ..cluster.node import PENDING, Allocate, ClusterNode, Fail, Noted, Push, RecordGrant, Reply, RunMove, Send
 from ..cluster.transport import PeerTransport
@@ -31,38 +28,49 @@ from ..core.events import DrainRequested, ForceReleaseRequested
 from ..core.history import GroupView, History
 from ..metrics import Metrics
 from ..telemetry import MoveLog, SimGpuSource, Telemetry
-from ..util.compat import TaskGroup, timeout
-from ..util.processes import descendants, pid_alive
+from ..util.compat import TaskGroup
+from ..util.processes import pid_alive
 from ..version import __version__
-from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str, quoted
-from ..wire.park import ParkSpec
-from .authz import checked_pids
+from ..wire.status import Status
+from .crash import CrashPoints
 from .dashboard_source import DaemonView
+from .directives import Directives
 from .election_file import load_election, save_election
+from .jobs import NodeJobs
 from .journal import Journal
+from .moves import Mover
+from .ops import ClientOps
 from .parking import Parking, open_parking
+from .recovery import Recovery
 from .server import DEFERRED, ClientServer, Connection
+from .status import StatusReport
 
 log = logging.getLogger(__name__)
 
 JOURNAL_DELAY_S = 0.02  # how stale the journal's holders and queues may be (moves are written before they start)
-MID_MOVE_S = 0.05  # a "mid-" crash point fires this long into the move (give it a slow bandwidth)
 WEB_SHUTDOWN_S = 2.0  # open dashboard streams get this long to end when the daemon stops
 
 
 class Daemon:
-    """One per node. ``await run()`` serves until ``stop()``."""
+    """One per node. ``await run()`` serves until ``stop()``.
+
+    The composition root: it builds the parts, feeds the cluster core its inputs (client requests,
+    peer messages, finished moves, timers, exited processes) and routes the core's effects to the
+    parts that carry them out. All core state is touched from the event loop thread only, within
+    one step, so no locks are needed.
+    """
 
     def __init__(self, config: DaemonConfig, parking: Callable[[Direct], Parking] | None = None) -> None:
         """``parking`` builds the node's backends in place of probing the node (tests, embedding)."""
         self.config = config
-        self.parking = (parking or functools.partial(open_parking, config))(self._direct)
-        devices = self.parking.devices
+        self._conns: dict[int, Connection] = {}  # connections that sent a request, by id
+        self.directives = Directives(self._connections_of)
+        self.parking = (parking or functools.partial(open_parking, config))(self.directives.direct)
         members = tuple(config.cluster.members) if config.cluster else (config.node,)
         self.cluster = ClusterNode(
             config.node,
             members,
-            {d.index: d.capacity for d in devices},
+            {d.index: d.capacity for d in self.parking.devices},
             rng=random.Random(),
             election_timeout=config.cluster.election_timeout if config.cluster else (1.0, 2.0),
             heartbeat_interval=config.cluster.heartbeat_interval if config.cluster else 0.25,
@@ -72,10 +80,12 @@ class Daemon:
             op_timeout=config.op_timeout,
             policies=config.slice_policies,
         )
+        self.jobs = NodeJobs()
         self.journal = Journal(config.state_dir)
+        self.recovery = Recovery(config, self.journal, self.parking, self.jobs)
         self._journal_due = False
         self._journal_frozen = False  # set once stopping: see run()
-        self._crashes: dict[str, int] = {}  # crash point -> times reached (fault injection)
+        self.crash = CrashPoints(config.crash_at)
         self.peers: PeerTransport | None = None
         self.server = ClientServer(
             self,
@@ -90,24 +100,48 @@ class Daemon:
             lease=config.lease,
             max_per_client=config.max_connections_per_client,
         )
-        self._sim_source = self._sim_gpu_source()
-        self.telemetry = Telemetry(
-            self.parking.nvml or self._sim_source, interval=config.telemetry_interval, clock=self._now
-        )
-        self.metrics = Metrics(self.status, node=config.node)
-        self.web_url: str | None = None
-        self._web: web.AppRunner | None = None
+        sim_source = self._sim_gpu_source()
+        self.telemetry = Telemetry(self.parking.nvml or sim_source, interval=config.telemetry_interval, clock=self._now)
         self.moves = MoveLog()
         self.history = History()
-        self.started_at = time.time()
+        self.report = StatusReport(
+            config,
+            parking=self.parking,
+            server=self.server,
+            cluster=self.cluster,
+            jobs=self.jobs,
+            telemetry=self.telemetry,
+            sim_source=sim_source,
+            moves=self.moves,
+            peers=lambda: self.peers,
+            clock=self._now,
+        )
+        self.metrics = Metrics(self.status, node=config.node)
+        self.mover = Mover(
+            self.parking,
+            self.jobs,
+            op_timeout=config.op_timeout,
+            crash=self.crash,
+            log_of_moves=self.moves,
+            metrics=self.metrics,
+            history=self.history,
+            clock=self._now,
+        )
+        self.ops = ClientOps(
+            cluster=self.cluster,
+            parking=self.parking,
+            jobs=self.jobs,
+            directives=self.directives,
+            history=self.history,
+            forward=self._forward,
+            freed=lambda job, gpu, nbytes: self._step(self.cluster.freed, job, gpu, nbytes, self._now()),
+            status=self.status,
+            clock=self._now,
+        )
+        self.web_url: str | None = None
+        self._web: web.AppRunner | None = None
         self.started_loop = 0.0  # loop time at run()
         self.tcp_address: tuple[str, int] | None = None
-        self._conns: dict[int, Connection] = {}  # connections that sent a request, by id
-        self._regions: dict[tuple[str, int], tuple[int, int]] = {}  # (job, region) -> (gpu, bytes)
-        self._park: dict[str, ParkSpec] = {}  # job -> how it is parked
-        self._measured: dict[str, dict[int, int]] = {}  # job -> device bytes per GPU, from its last move
-        self._directives: dict[int, tuple[int, asyncio.Future[dict[str, Any]]]] = {}  # id -> (session, answer)
-        self._next_directive = 1
         self._tasks: TaskGroup | None = None
         self._children: set[asyncio.Task[None]] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -124,7 +158,7 @@ class Daemon:
         self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         bound = False
         try:
-            await self._take_up_journal()
+            await self.recovery.take_up(self.cluster, self._now())
             await self._start_cluster()
             await self.server.start_unix(self.config.resolved_socket())
             bound = True
@@ -230,110 +264,22 @@ class Daemon:
     # --- connections (called by ClientServer) ----------------------------------------
 
     def close_connection(self, conn: Connection) -> None:
-        for session, answer in self._directives.values():
-            if session == conn.id and not answer.done():
-                answer.set_result({"ok": False, "error": "the connection closed before it carried out the offload"})
+        self.directives.connection_closed(conn.id)
         if self._conns.pop(conn.id, None) is not None:
             self._step(self.cluster.closed, conn.id, self._now())
 
     def handle_request(self, conn: Connection, request_id: int, op: str, args: dict[str, Any]) -> Any:
-        handler = self._ops.get(op)
-        if handler is None:
-            raise errors.UnknownOp(f"unknown op {op!r}; known: {', '.join(sorted(self._ops))}")
-        return handler(self, conn, request_id, args)
+        return self.ops.handle(conn, request_id, op, args)
 
-    def _request(self, conn: Connection, rid: int, op: str, args: dict[str, Any]) -> Any:
+    def _forward(self, conn: Connection, rid: int, op: str, args: dict[str, Any]) -> Any:
         """Hand a client's request to the cluster (the leader, wherever it is)."""
         self._conns[conn.id] = conn
         result = self._step(self.cluster.request, conn.id, rid, op, args, self._now())
         return DEFERRED if result is PENDING else result
 
-    def _op_register(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        pids = checked_pids(arg_int_list(args, "pids") or [], conn.peer)
-        gpus = arg_int_list(args, "gpus", max_len=64)
-        job = arg_str(args, "job")
-        group = arg_str(args, "group")
-        spec = ParkSpec.from_wire(args.get("park"), self.parking.default)
-        self.parking.backend(spec.method)  # refuses a method this node cannot run
-        known = self._park.get(job)
-        if known is not None and known != spec and job in self.cluster.jobs:
-            raise errors.BadRequest(f"job {job!r} is already registered to be parked with {known}")
-        request = {
-            "job": job,
-            "group": group,
-            "gpus": gpus,
-            "pids": sorted(pids),
-            "exclusive": spec.method != "sim",
-            "extra": {"session": conn.id, "park": spec.method},
-        }
-        result = self._request(conn, rid, "register", request)
-        self._park[job] = spec  # the same as before, or the job is not (yet) registered here
-        self.history.record("registered", self._now(), group=group, job=job, detail=spec.method)
-        return result
-
-    def _op_acquire(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._request(conn, rid, "acquire", {"timeout": arg_opt_float(args, "timeout")})
-
-    def _op_cancel(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._request(conn, rid, "cancel", {"request": arg_int(args, "request")})
-
-    def _op_release(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._request(conn, rid, "release", {})
-
-    def _job_of(self, conn: Connection) -> str:
-        job = self.cluster.sessions.get(conn.id)
-        if job is None:
-            raise errors.NotRegistered("register a job before using the lock")
-        return job
-
-    def _op_sim_alloc(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        nbytes = arg_int(args, "nbytes", minimum=1)
-        gpu = arg_int(args, "gpu", default=0)
-        job = self._job_of(conn)
-        if self._park[job].method != "sim":
-            raise errors.BadRequest(f"job {job!r} is parked with {self._park[job].method}: it has no simulated memory")
-        if gpu not in self.cluster.local_gpus(job):
-            raise errors.UnknownDevice(f"GPU {gpu} is not one of this node's GPUs of job {job!r}")
-        request = {"gpu": gpu, "nbytes": self._sim().rounded(nbytes), "requested": nbytes}
-        return self._request(conn, rid, "alloc", request)
-
-    def _op_sim_free(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        job = self._job_of(conn)
-        region = arg_int(args, "region")
-        if (job, region) not in self._regions:
-            raise errors.UnknownRegion(f"job {job!r} has no region {region}")
-        freed = self._sim().free(job, region)
-        gpu, nbytes = self._regions.pop((job, region))
-        self._step(self.cluster.freed, job, gpu, nbytes, self._now())
-        return {"region": region, "freed": freed}
-
-    def _op_offload_done(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        directive = arg_int(args, "directive")
-        entry = self._directives.get(directive)
-        if entry is None or entry[0] != conn.id:
-            raise errors.BadRequest(f"no offload directive {directive} is waiting on this connection")
-        answer = parse_offload_done(args, set(self.cluster.devices))
-        if not entry[1].done():
-            entry[1].set_result(answer)
-        return {}
-
-    def _op_status(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self.status()
-
-    def _op_ping(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return {}
-
-    _ops: dict[str, Callable[[Daemon, Connection, int, dict[str, Any]], Any]] = {
-        "register": _op_register,
-        "acquire": _op_acquire,
-        "cancel": _op_cancel,
-        "release": _op_release,
-        "sim_alloc": _op_sim_alloc,
-        "sim_free": _op_sim_free,
-        "offload_done": _op_offload_done,
-        "status": _op_status,
-        "ping": _op_ping,
-    }
+    def _connections_of(self, job: str) -> list[Connection]:
+        local = self.cluster.jobs.get(job)
+        return [c for s in sorted(local.sessions) if (c := self._conns.get(s))] if local else []
 
     def admin(self, event: ForceReleaseRequested | DrainRequested) -> dict[str, Any]:
         """An administrator's action (the dashboard checked the token); raises ``TimeslicedError``."""
@@ -353,70 +299,8 @@ class Daemon:
     def serving(self) -> bool:
         return self._tasks is not None and not self._stopping.is_set()
 
-    def status(self) -> dict[str, Any]:
-        if self._sim_source is not None:  # simulated figures cost nothing to read: always current
-            self.telemetry.ingest(self._sim_source.sample(), self.telemetry.clock())
-        now = self._now()
-        scheduler = self.cluster.scheduler
-        # a follower shows this node's GPUs and jobs; the groups are on the leader's dashboard
-        picture = scheduler.describe(now) if scheduler is not None else self._local_picture()
-        for job in picture["jobs"]:
-            spec = self._park.get(job["job"])
-            job["park"] = spec.method if spec else None
-            job["measured"] = {str(gpu): n for gpu, n in sorted(self._measured.get(job["job"], {}).items())}
-        return {
-            "node": self.config.node,
-            "version": __version__,
-            "pid": os.getpid(),
-            "backend": self.parking.default,
-            "parking": self.parking.describe(),
-            "addresses": list(self.server.addresses),
-            "uptime_s": time.time() - self.started_at,
-            "connections": len(self.server.connections),
-            "counters": dict(self.server.counters),
-            **picture,
-            "cluster": {**self.cluster.describe(now), "peers": self.peers.describe() if self.peers else None},
-            "telemetry": self.telemetry.describe(now),
-            "moves": self._moves_with_wall_times(),
-        }
-
-    def _local_picture(self) -> dict[str, Any]:
-        c = self.cluster
-        return {
-            "devices": [
-                {
-                    "index": gpu,
-                    "capacity": cap,
-                    "used": sum(j.footprint.get(gpu, 0) for j in c.jobs.values() if j.location != "parked"),
-                    "jobs": {
-                        j.name: {"bytes": j.footprint[gpu], "location": j.location}
-                        for j in c.jobs.values()
-                        if j.footprint.get(gpu)
-                    },
-                }
-                for gpu, cap in sorted(c.devices.items())
-            ],
-            "groups": [],
-            "jobs": [
-                {
-                    "job": j.name,
-                    "group": j.group,
-                    "location": j.location,
-                    "faulted": j.faulted or None,
-                    "sessions": len(j.sessions),
-                    "pids": sorted(j.pids),
-                    "footprint": {str(k): v for k, v in sorted(j.footprint.items())},
-                }
-                for j in c.jobs.values()
-            ],
-        }
-
-    def _moves_with_wall_times(self) -> dict[str, Any]:
-        moves = self.moves.describe()
-        wall = time.time() - self._now()
-        for move in moves["recent"]:
-            move["t"] = move["at"] + wall  # epoch seconds, like every time the dashboard shows
-        return moves
+    def status(self) -> Status:
+        return self.report.status()
 
     def _sim_gpu_source(self) -> SimGpuSource | None:
         sim = self.parking.sim
@@ -476,12 +360,12 @@ class Daemon:
             if self._stopping.is_set():
                 log.debug("stopping: %r is not started", effect)
             else:
-                self._spawn(self._move(effect))
+                self._spawn(self.mover.run(effect, self._target, self._move_finished))
         elif isinstance(effect, Allocate):
             self._allocate(effect)
         elif isinstance(effect, RecordGrant):
             g = effect.grant
-            self._crash_point("at-grant")
+            self.crash.reached("at-grant")
             log.debug("grant %s fence %d to %s (restored=%s)", g.group, g.fence, g.job, g.restored)
             self.metrics.observe_grant(g.group, g.waited_s, g.switch_s, g.switched)
         elif isinstance(effect, Noted):
@@ -495,13 +379,13 @@ class Daemon:
     def _allocate(self, effect: Allocate) -> None:
         conn = self._conns.get(effect.conn)
         try:
-            info = self._sim().alloc(effect.job, effect.gpu, effect.requested)
+            info = self.ops._sim().alloc(effect.job, effect.gpu, effect.requested)
         except Exception as exc:
             self._step(self.cluster.freed, effect.job, effect.gpu, effect.nbytes, self._now())
             if conn is not None:
                 conn.fail(effect.rid, exc if isinstance(exc, errors.TimeslicedError) else errors.BackendError(str(exc)))
             return
-        self._regions[(effect.job, info.region)] = (effect.gpu, effect.nbytes)
+        self.jobs.regions[(effect.job, info.region)] = (effect.gpu, effect.nbytes)
         if conn is not None:
             conn.reply(effect.rid, info.to_wire())
 
@@ -513,58 +397,16 @@ class Daemon:
         self._children.add(task)
         task.add_done_callback(self._children.discard)
 
-    async def _move(self, effect: RunMove) -> None:
-        """This node's part of a snapshot, restore or reclaim; the cluster core hears how it went."""
-        kind = effect.kind
-        try:
-            target = self._target(effect.job)
-            backend = self.parking.backend(target.park.method)
-            if kind == "reclaim":
-                await self._reclaim(target, backend)
-                self._step(self.cluster.move_finished, effect.key, True, 0, 0.0, "", self._now())
-                return
-            operation = backend.snapshot if kind == "snapshot" else backend.restore
-            self._crash_point(f"before-{kind}")
-            if f"mid-{kind}" in self.config.crash_at and self._loop is not None:  # the copy runs in a thread
-                self._loop.call_later(MID_MOVE_S, self._crash_point, f"mid-{kind}")
-            async with timeout(self.config.op_timeout):
-                result: MoveResult = await operation(target)
-            self._crash_point(f"after-{kind}")
-        except Exception as exc:  # a failed move faults the job, never the daemon
-            reason = "timed out" if isinstance(exc, TimeoutError) else f"{exc.__class__.__name__}: {exc}"
-            log.error("%s of job %r failed: %s", kind, effect.job, reason)
-            self._step(self.cluster.move_finished, effect.key, False, 0, 0.0, reason, self._now())
-            return
-        log.info(
-            "%s of job %r with %s: %d bytes in %.3fs (%.1f GB/s)",
-            kind,
-            effect.job,
-            backend.name,
-            result.nbytes,
-            result.seconds,
-            result.gbps,
-        )
-        try:
-            if result.footprint:
-                self._measured[effect.job] = dict(result.footprint)
-            self.moves.record(effect.job, kind, result.nbytes, result.seconds, self._now())
-            self.metrics.observe_move(kind, backend.name, result.nbytes, result.seconds)
-        except Exception:  # figures are not worth a lost move: the scheduler must hear of it
-            log.exception("recording the %s of job %r failed", kind, effect.job)
-        self._step(self.cluster.move_finished, effect.key, True, result.nbytes, result.seconds, "", self._now())
+    def _target(self, job: str) -> JobTarget:
+        return self.jobs.target(self.cluster, job)
 
-    async def _reclaim(self, target: JobTarget, backend: Any) -> None:
-        try:
-            async with timeout(self.config.op_timeout):
-                await backend.reclaim(target)
-        except Exception:
-            log.exception("reclaiming job %r failed", target.name)
-        for key in [k for k in self._regions if k[0] == target.name]:
-            del self._regions[key]
-        self._park.pop(target.name, None)
-        self._measured.pop(target.name, None)
-        log.info("job %r exited; its device and host memory is reclaimed", target.name)
-        self.history.record("exited", self._now(), job=target.name)
+    def _move_finished(self, key: tuple[int, int, int], ok: bool, nbytes: int, seconds: float, error: str) -> None:
+        self._step(self.cluster.move_finished, key, ok, nbytes, seconds, error, self._now())
+
+    def _save_journal(self) -> None:
+        self._journal_due = False
+        if not self._journal_frozen:
+            self.recovery.save(self.cluster, self._now())
 
     def _rearm_timer(self) -> None:
         deadline = self.cluster.next_deadline()
@@ -606,125 +448,6 @@ class Daemon:
             await asyncio.sleep(self.config.lease / 4)
             self.server.expire_leases(self._now())
 
-    def _sim(self) -> Any:
-        if self.parking.sim is None:
-            raise errors.BackendUnavailable("simulated device memory needs simulated GPUs (--backend sim)")
-        return self.parking.sim
-
-    # --- the journal: taking jobs up again after a restart ----------------------------
-
-    def _save_journal(self) -> None:
-        self._journal_due = False
-        if self._journal_frozen:
-            return
-        picture = self.cluster.durable(self._now())
-        jobs = self.cluster.jobs
-        picture["park"] = {job: spec.to_wire() for job, spec in self._park.items() if job in jobs}
-        checkpoint: Any = self.parking.backends.get("cuda-checkpoint")
-        if checkpoint is not None:  # where each parked job's processes stand, for the driver after a restart
-            picture["backend"] = {job: record for job in jobs if (record := checkpoint.parked(job)) is not None}
-        try:
-            self.journal.save(picture)
-        except OSError as exc:
-            log.error("cannot write the journal in %s: %s", self.config.state_dir, exc)
-
-    async def _take_up_journal(self) -> None:
-        """Find the jobs of the last run: where their state is now, and the turns they had."""
-        picture = self.journal.load()
-        sim = self.parking.sim
-        recovered = sim.recovered_jobs() if sim is not None else {}
-        if picture is None:
-            for job, (state, _) in recovered.items():
-                log.warning("simulated state of job %r (%s) is on this node but in no journal", job, state)
-            return
-        kept = []
-        for entry in picture["jobs"]:
-            name = entry.get("job")
-            try:
-                spec = ParkSpec.from_wire(picture["park"].get(name), self.parking.default)
-                settled = await self._settle_after_restart(entry, spec, picture.get("backend", {}).get(name))
-            except Exception as exc:  # one bad entry never stops the others
-                log.error("job %r of the journal is not taken up: %s", name, exc)
-                continue
-            if settled is not None:
-                kept.append(settled)
-                self._park[name] = spec
-                log.info("took up job %r from the last run: %s", name, settled["location"])
-        # Simulated state the journal does not know is a reclaim that the last run did not finish.
-        for job in set(recovered) - {entry["job"] for entry in kept}:
-            log.warning("reclaiming simulated state of job %r: no job of the journal owns it", job)
-            await sim.reclaim(job)
-        self.cluster.restore({**picture, "jobs": kept}, self._now(), self.config.recovery_grace)
-        self._save_journal()
-
-    async def _settle_after_restart(self, entry: dict[str, Any], spec: ParkSpec, record: Any) -> dict[str, Any] | None:
-        """``entry`` with where the job's state really is now, or None if nothing of it is left."""
-        name, location = entry["job"], entry["location"]
-        if spec.method == "sim":
-            sim = self.parking.sim
-            recovered = sim.recovered_jobs() if sim is not None else {}
-            if name not in recovered:
-                if sim is not None and not any(entry["footprint"].values()):
-                    return {**entry, "location": "resident"}  # it never allocated: nothing to find
-                log.warning("job %r: its simulated state is gone (the node's shared memory was cleared)", name)
-                return None
-            state, footprint = recovered[name]
-            for info in sim.regions(name):
-                self._regions[(name, info.region)] = (info.gpu, sim.rounded(info.nbytes))
-            faulted = entry["faulted"] or ("its simulated state was damaged" if state == "faulted" else "")
-            where = state if state in ("resident", "parked") else "parked"
-            footprint_wire = {str(g): n for g, n in footprint.items()}
-            return {**entry, "location": where, "faulted": faulted, "footprint": footprint_wire}
-        if spec.method == "cuda-checkpoint":
-            backend = self.parking.backend("cuda-checkpoint")
-            target = JobTarget(name, (), tuple(entry["pids"]), spec)
-            try:
-                async with timeout(self.config.op_timeout):
-                    where = await backend.take_up(target, record)  # type: ignore[attr-defined]
-            except Exception as exc:  # its processes are in mixed states: an operator must look
-                return {**entry, "location": "resident", "faulted": f"taking it up after a restart failed: {exc}"}
-            return {**entry, "location": where}
-        # offload and engines: their state is in the job's processes; a move cut short is finished by a restore
-        return {**entry, "location": "parked" if location in ("parking", "restoring") else location}
-
-    def _crash_point(self, point: str) -> None:
-        """Fault injection for crash tests (``DaemonConfig.crash_at``): die here as ``kill -9`` would."""
-        if point in self.config.crash_at:
-            self._crashes[point] = seen = self._crashes.get(point, 0) + 1
-            if seen == self.config.crash_at[point]:
-                log.critical("crash point %s: killing the daemon", point)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    # --- offload directives ------------------------------------------------------------
-
-    async def _direct(self, job: str, action: str, args: dict[str, Any]) -> list[dict[str, Any]]:
-        """Tell every connection of ``job`` to park or unpark its regions; their answers, in order."""
-        local = self.cluster.jobs.get(job)
-        conns = [c for s in sorted(local.sessions) if (c := self._conns.get(s))] if local else []
-        if not conns:
-            raise errors.BackendError(f"job {job!r} has no connection to carry out an offload {action}")
-        answers = []
-        for conn in conns:
-            directive = self._next_directive
-            self._next_directive += 1
-            answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-            self._directives[directive] = (conn.id, answer)
-            conn.push("offload", {"directive": directive, "action": action, **args})
-            answers.append((directive, answer))
-        try:
-            return list(await asyncio.gather(*(a for _, a in answers)))  # an answer never raises
-        finally:
-            for directive, _ in answers:
-                self._directives.pop(directive, None)
-
-    def _target(self, job: str) -> JobTarget:
-        local = self.cluster.jobs[job]
-        spec = self._park[job]
-        pids = set(local.pids)
-        if spec.method in ("vllm", "sglang"):
-            pids |= descendants(pids)  # an engine's memory sits in its worker processes
-        return JobTarget(job, self.cluster.local_gpus(job), tuple(sorted(pids)), spec)
-
 
 async def _guarded(coro: Any) -> None:
     """A child task that fails is logged; it never takes the daemon down with it."""
@@ -732,27 +455,3 @@ async def _guarded(coro: Any) -> None:
         await coro
     except Exception:
         log.exception("a daemon task failed")
-
-
-MAX_ERROR_CHARS = 1024
-
-
-def parse_offload_done(args: dict[str, Any], gpus: set[int]) -> dict[str, Any]:
-    """A client's answer to an offload directive, checked; raises ``BadRequest``."""
-    ok = args.get("ok")
-    if not isinstance(ok, bool):
-        raise errors.BadRequest("'ok' must be true or false")
-    if not ok:
-        error = args.get("error")
-        return {"ok": False, "error": (error if isinstance(error, str) else "no reason given")[:MAX_ERROR_CHARS]}
-    footprint = args.get("footprint") or {}
-    if not isinstance(footprint, dict) or len(footprint) > len(gpus):
-        raise errors.BadRequest("'footprint' must map GPUs of this node to byte counts")
-    checked: dict[str, int] = {}
-    for gpu, n in footprint.items():
-        if not (isinstance(gpu, str) and gpu.isdigit() and int(gpu) in gpus):
-            raise errors.BadRequest(f"'footprint' names GPU {quoted(gpu)}, which this node does not have")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise errors.BadRequest("'footprint' byte counts must be non-negative integers")
-        checked[gpu] = n
-    return {"ok": True, "nbytes": arg_int(args, "nbytes", minimum=0), "footprint": checked}

@@ -146,6 +146,7 @@ class ClientServer:
             "protocol_errors": 0,
             "internal_errors": 0,
             "auth_failures": 0,
+            "leases_expired": 0,
         }
         self._ids = itertools.count(1)
         self._servers: list[asyncio.Server] = []
@@ -192,7 +193,7 @@ class ClientServer:
             return []
         quiet = [c for c in self.connections.values() if c.ready and now - c.heard_at > self.lease]
         for conn in quiet:
-            self.counters["leases_expired"] = self.counters.get("leases_expired", 0) + 1
+            self.counters["leases_expired"] += 1
             log.warning(
                 "connection %d (pid %s): silent for %.1fs, past its lease of %gs; closing it",
                 conn.id,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jinja2
 from aiohttp import web
 
+from ..wire.status import Status
 from .resources import Asset
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ API = "/api/v1"
 class DashboardSource(Protocol):
     """What the dashboard reads and drives; the daemon implements it. Wall-clock times are epoch seconds."""
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         """The status document (node, devices, groups, jobs, telemetry, moves)."""
 
     def timeline(self, window_s: float) -> dict[str, Any]:

@@ -1,0 +1,151 @@
+"""The client ops: each request's arguments checked at this boundary, then handed on (one dispatch table).
+
+The client server handles the connection-level ops itself (``hello``, ``auth``); everything else comes
+here. Lock and memory requests go to the cluster core (the leader, wherever it is); simulated
+memory, offload answers, ``status`` and ``ping`` are answered on this node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .. import errors
+from ..backends.sim import SimBackend
+from ..cluster.node import ClusterNode
+from ..core.history import History
+from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
+from ..wire.park import ParkSpec
+from .authz import checked_pids
+from .directives import Directives
+from .jobs import NodeJobs
+from .parking import Parking
+from .server import Connection
+
+log = logging.getLogger(__name__)
+
+# (connection, request id, op, checked args) -> the result, or DEFERRED when the reply comes later
+Forward = Callable[[Connection, int, str, dict[str, Any]], Any]
+Op = Callable[["ClientOps", Connection, int, dict[str, Any]], Any]
+
+
+class ClientOps:
+    def __init__(
+        self,
+        *,
+        cluster: ClusterNode,
+        parking: Parking,
+        jobs: NodeJobs,
+        directives: Directives,
+        history: History,
+        forward: Forward,
+        freed: Callable[[str, int, int], None],
+        status: Callable[[], Any],
+        clock: Callable[[], float],
+    ) -> None:
+        """``forward`` hands a request to the cluster core; ``freed(job, gpu, nbytes)`` tells it memory was freed."""
+        self.cluster = cluster
+        self.parking = parking
+        self.jobs = jobs
+        self.directives = directives
+        self.history = history
+        self._forward = forward
+        self._freed = freed
+        self._status = status
+        self._clock = clock
+
+    def handle(self, conn: Connection, rid: int, op: str, args: dict[str, Any]) -> Any:
+        """One request; raises ``TimeslicedError`` (``UnknownOp`` for an op nobody serves)."""
+        handler = OPS.get(op)
+        if handler is None:
+            raise errors.UnknownOp(f"unknown op {op!r}; known: {', '.join(sorted(OPS))}")
+        return handler(self, conn, rid, args)
+
+    def register(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
+        pids = checked_pids(arg_int_list(args, "pids") or [], conn.peer)
+        gpus = arg_int_list(args, "gpus", max_len=64)
+        job = arg_str(args, "job")
+        group = arg_str(args, "group")
+        spec = ParkSpec.from_wire(args.get("park"), self.parking.default)
+        self.parking.backend(spec.method)  # refuses a method this node cannot run
+        known = self.jobs.park.get(job)
+        if known is not None and known != spec and job in self.cluster.jobs:
+            raise errors.BadRequest(f"job {job!r} is already registered to be parked with {known}")
+        request = {
+            "job": job,
+            "group": group,
+            "gpus": gpus,
+            "pids": sorted(pids),
+            "exclusive": spec.method != "sim",
+            "extra": {"session": conn.id, "park": spec.method},
+        }
+        result = self._forward(conn, rid, "register", request)
+        self.jobs.park[job] = spec  # the same as before, or the job is not (yet) registered here
+        self.history.record("registered", self._clock(), group=group, job=job, detail=spec.method)
+        return result
+
+    def acquire(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
+        return self._forward(conn, rid, "acquire", {"timeout": arg_opt_float(args, "timeout")})
+
+    def cancel(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
+        return self._forward(conn, rid, "cancel", {"request": arg_int(args, "request")})
+
+    def release(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
+        return self._forward(conn, rid, "release", {})
+
+    def sim_alloc(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
+        nbytes = arg_int(args, "nbytes", minimum=1)
+        gpu = arg_int(args, "gpu", default=0)
+        job = self._job_of(conn)
+        method = self.jobs.park[job].method
+        if method != "sim":
+            raise errors.BadRequest(f"job {job!r} is parked with {method}: it has no simulated memory")
+        if gpu not in self.cluster.local_gpus(job):
+            raise errors.UnknownDevice(f"GPU {gpu} is not one of this node's GPUs of job {job!r}")
+        request = {"gpu": gpu, "nbytes": self._sim().rounded(nbytes), "requested": nbytes}
+        return self._forward(conn, rid, "alloc", request)
+
+    def sim_free(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
+        job = self._job_of(conn)
+        region = arg_int(args, "region")
+        if (job, region) not in self.jobs.regions:
+            raise errors.UnknownRegion(f"job {job!r} has no region {region}")
+        freed = self._sim().free(job, region)
+        gpu, nbytes = self.jobs.regions.pop((job, region))
+        self._freed(job, gpu, nbytes)
+        return {"region": region, "freed": freed}
+
+    def offload_done(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
+        self.directives.answered(conn, args, set(self.cluster.devices))
+        return {}
+
+    def status(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
+        return self._status()
+
+    def ping(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
+        return {}
+
+    def _job_of(self, conn: Connection) -> str:
+        job = self.cluster.sessions.get(conn.id)
+        if job is None:
+            raise errors.NotRegistered("register a job before using the lock")
+        return job
+
+    def _sim(self) -> SimBackend:
+        if self.parking.sim is None:
+            raise errors.BackendUnavailable("simulated device memory needs simulated GPUs (--backend sim)")
+        return self.parking.sim
+
+
+OPS: dict[str, Op] = {
+    "register": ClientOps.register,
+    "acquire": ClientOps.acquire,
+    "cancel": ClientOps.cancel,
+    "release": ClientOps.release,
+    "sim_alloc": ClientOps.sim_alloc,
+    "sim_free": ClientOps.sim_free,
+    "offload_done": ClientOps.offload_done,
+    "status": ClientOps.status,
+    "ping": ClientOps.ping,
+}

@@ -1,0 +1,119 @@
+"""Assembling the status document (``wire.status.Status``) from the parts that know each fact.
+
+The leader shows the scheduler's picture of every node; a follower shows this node's GPUs and jobs
+(the groups are on the leader's dashboard).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import cast
+
+from ..cluster.node import ClusterNode
+from ..cluster.transport import PeerTransport
+from ..config import DaemonConfig
+from ..telemetry import MoveLog, SimGpuSource, Telemetry
+from ..version import __version__
+from ..wire import status as schema
+from .jobs import NodeJobs
+from .parking import Parking
+from .server import ClientServer
+
+
+class StatusReport:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        parking: Parking,
+        server: ClientServer,
+        cluster: ClusterNode,
+        jobs: NodeJobs,
+        telemetry: Telemetry,
+        sim_source: SimGpuSource | None,
+        moves: MoveLog,
+        peers: Callable[[], PeerTransport | None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.parking = parking
+        self.server = server
+        self.cluster = cluster
+        self.jobs = jobs
+        self.telemetry = telemetry
+        self.sim_source = sim_source
+        self.moves = moves
+        self.peers = peers
+        self.clock = clock
+        self.started_at = time.time()
+
+    def status(self) -> schema.Status:
+        if self.sim_source is not None:  # simulated figures cost nothing to read: always current
+            self.telemetry.ingest(self.sim_source.sample(), self.telemetry.clock())
+        now = self.clock()
+        scheduler = self.cluster.scheduler
+        picture = cast(schema.Picture, scheduler.describe(now)) if scheduler is not None else self.local_picture()
+        for job in picture["jobs"]:
+            spec = self.jobs.park.get(job["job"])
+            job["park"] = spec.method if spec else None
+            job["measured"] = {str(gpu): n for gpu, n in sorted(self.jobs.measured.get(job["job"], {}).items())}
+        peers = self.peers()
+        cluster = cast(schema.Cluster, {**self.cluster.describe(now), "peers": peers.describe() if peers else None})
+        return {
+            "node": self.config.node,
+            "version": __version__,
+            "pid": os.getpid(),
+            "backend": self.parking.default,
+            "parking": cast(schema.Parking, self.parking.describe()),
+            "addresses": list(self.server.addresses),
+            "uptime_s": time.time() - self.started_at,
+            "connections": len(self.server.connections),
+            "counters": cast(schema.Counters, dict(self.server.counters)),
+            **picture,
+            "cluster": cluster,
+            "telemetry": cast(schema.Telemetry, self.telemetry.describe(now)),
+            "moves": self.moves_with_wall_times(now),
+        }
+
+    def local_picture(self) -> schema.Picture:
+        """A follower's own GPUs and jobs."""
+        c = self.cluster
+        return {
+            "devices": [
+                {
+                    "index": gpu,
+                    "capacity": cap,
+                    "used": sum(j.footprint.get(gpu, 0) for j in c.jobs.values() if j.location != "parked"),
+                    "jobs": {
+                        j.name: {"bytes": j.footprint[gpu], "location": j.location}
+                        for j in c.jobs.values()
+                        if j.footprint.get(gpu)
+                    },
+                }
+                for gpu, cap in sorted(c.devices.items())
+            ],
+            "groups": [],
+            "jobs": [
+                {
+                    "job": j.name,
+                    "group": j.group,
+                    "location": j.location,
+                    "faulted": j.faulted or None,
+                    "sessions": len(j.sessions),
+                    "pids": sorted(j.pids),
+                    "footprint": {str(k): v for k, v in sorted(j.footprint.items())},
+                    "park": None,
+                    "measured": {},
+                }
+                for j in c.jobs.values()
+            ],
+        }
+
+    def moves_with_wall_times(self, now: float) -> schema.Moves:
+        moves = cast(schema.Moves, self.moves.describe())
+        wall = time.time() - now
+        for move in moves["recent"]:
+            move["t"] = move["at"] + wall  # epoch seconds, like every time the dashboard shows
+        return moves

@@ -1,0 +1,299 @@
+"""The status document: one typed schema for its producers, its consumers and the tests (pure).
+
+A daemon answers the ``status`` op (and ``/api/v1/status``) with a ``Status``. Its parts are built
+where the facts live: the scheduler (``devices``, ``groups``, ``jobs``), the cluster node
+(``cluster``), telemetry (``telemetry``), the move log (``moves``), the parking probe (``parking``)
+and the client server (``counters``); the daemon puts them together. The dashboard, the metrics,
+``timesliced status`` and the tests' fixtures read it through these types, and ``problems`` checks
+a document against them at run time (the tests hold every fixture and a live daemon's status to it,
+so the two cannot drift apart).
+
+The document is plain data (msgpack and JSON safe): maps have string keys, times are seconds
+(``*_s`` durations; ``t`` and ``at`` points in time), sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any, TypedDict, Union
+
+# --- the scheduler's picture --------------------------------------------------------------
+
+
+class DeviceJob(TypedDict):
+    bytes: int
+    location: str  # resident | parking | parked | restoring
+
+
+class Device(TypedDict):
+    index: int
+    capacity: int
+    used: int
+    jobs: dict[str, DeviceJob]  # the jobs with memory on the device
+
+
+class QueuePlace(TypedDict):
+    job: str
+    waited_s: float
+    requests: int  # acquires waiting on this place (one per process of the job that asks)
+    kept_for_s: float | None  # a turn kept after a restart, with no request yet: how long it is kept
+    preempted: bool  # queued again after a preemption
+
+
+class Group(TypedDict):
+    group: str
+    gpus: list[int]
+    state: str  # idle | idle-yielded | locked | switching | faulted
+    holder: str | None
+    held_s: float | None
+    fence: int
+    queue: list[QueuePlace]
+    overdue_s: float | None  # how long the holder is past its maximum slice
+    max_slice_s: float | None
+    slice_action: str | None  # warn | preempt
+    preemptions: int
+    switching_to: str | None
+    draining: bool
+    frozen: str | None  # why the group grants nothing now (a node it spans is out of reach)
+    deferred: int  # times the head of the queue had to wait for memory or for a rival
+    grants: int
+    switches: int
+    bytes_moved: int
+    median_switch_s: float | None
+    p95_switch_s: float | None
+    median_wait_s: float | None
+    lock_duty: float  # the share of the group's life that a job held it
+
+
+class _JobBase(TypedDict):
+    job: str
+    group: str
+    location: str
+    faulted: str | None
+    sessions: int
+    pids: list[int]
+    footprint: dict[str, int]  # GPU -> bytes the job holds there when resident
+    park: str | None  # its parking method
+    measured: dict[str, int]  # GPU -> bytes its last move measured
+
+
+class Job(_JobBase, total=False):
+    """A job; the figures are the leader's (a follower shows its own jobs without them)."""
+
+    slices: int
+    restores: int
+    snapshots: int
+    preemptions: int
+    gpu_seconds: float
+    bytes_moved: int
+    median_wait_s: float | None
+
+
+class Picture(TypedDict):
+    """What the scheduler (or a follower, of its own jobs) shows."""
+
+    devices: list[Device]
+    groups: list[Group]
+    jobs: list[Job]
+
+
+# --- the cluster ----------------------------------------------------------------------------
+
+
+class Election(TypedDict):
+    node: str
+    peers: list[str]
+    role: str  # follower | pre-candidate | candidate | leader
+    term: int
+    leader: str | None
+    voted_for: str | None
+    pre_vote: bool
+    quorum: bool
+    leader_since: float | None
+    leader_heard_s_ago: float | None
+    acked_s_ago: dict[str, float]
+    next_deadline: float | None
+
+
+class PeerLink(TypedDict):
+    address: str
+    connected: bool
+    queued: int
+    sent: int
+    received: int
+    dropped: int
+    reconnects: int
+    last_error: str | None
+
+
+class Peers(TypedDict):
+    listen: list[Any] | None  # [host, port] once listening
+    peers: dict[str, PeerLink]
+
+
+class Cluster(TypedDict):
+    node: str
+    slot: int
+    members: list[str]
+    election: Election
+    leader: str | None
+    era: list[int] | None  # [term, gen] of the leader this node follows
+    ready: bool
+    leading: bool
+    linked: list[str]
+    reporters: list[str]
+    offline: list[str]
+    pending: int
+    refused: int
+    problems: list[str]
+    peers: Peers | None  # the peer transport; None for a single daemon
+
+
+# --- telemetry and moves ------------------------------------------------------------------
+
+
+class GpuTelemetry(TypedDict):
+    index: int
+    name: str
+    uuid: str
+    memory_total: int | None
+    memory_used: int | None
+    memory_free: int | None
+    utilization_gpu: float | None
+    utilization_memory: float | None
+    duty_now: float | None
+    duty_window: float | None
+    window_s: float
+    processes: dict[str, int]  # PID -> device bytes
+    errors: list[str]
+
+
+class Telemetry(TypedDict):
+    source: str  # nvml | sim | none
+    reason: str | None  # why there is no NVML
+    driver: str | None
+    cuda: str | None
+    interval_s: float
+    age_s: float | None
+    error: str | None
+    gpus: list[GpuTelemetry]
+
+
+class Move(TypedDict):
+    at: float  # the daemon's clock
+    t: float  # epoch seconds
+    job: str
+    kind: str  # snapshot | restore
+    nbytes: int
+    seconds: float
+    gbps: float
+
+
+class JobMoves(TypedDict):
+    count: int
+    snapshots: int
+    restores: int
+    nbytes: int
+    seconds: float
+    median_gbps: float | None
+
+
+class Moves(TypedDict):
+    recent: list[Move]
+    jobs: dict[str, JobMoves]
+
+
+class Parking(TypedDict):
+    default: str
+    why: str
+    device_source: str  # nvml | sim
+    methods: dict[str, str]  # method -> "available" or why not
+
+
+class Counters(TypedDict):
+    accepted: int
+    refused: int
+    protocol_errors: int
+    internal_errors: int
+    auth_failures: int
+    leases_expired: int
+
+
+# --- the whole document ---------------------------------------------------------------------
+
+
+class Status(Picture):
+    node: str
+    version: str
+    pid: int
+    backend: str
+    parking: Parking
+    addresses: list[str]
+    uptime_s: float
+    connections: int
+    counters: Counters
+    cluster: Cluster
+    telemetry: Telemetry
+    moves: Moves
+
+
+# --- checking a document ----------------------------------------------------------------------
+
+
+def problems(value: Any, schema: Any = Status, where: str = "status") -> list[str]:
+    """Every way ``value`` differs from ``schema`` (a TypedDict or a type expression), one line each.
+
+    Missing and unknown keys, and values of the wrong type; an int passes for a float, a bool for
+    neither. An empty list: the document is well formed.
+    """
+    origin = typing.get_origin(schema)
+    if schema is Any:
+        return []
+    if schema is type(None) or schema is None:
+        return [] if value is None else [f"{where}: expected null, got {_kind(value)}"]
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(schema)
+        if any(not problems(value, option, where) for option in options):
+            return []
+        return [f"{where}: expected {' or '.join(_name(o) for o in options)}, got {_kind(value)}"]
+    if _is_typed_dict(schema):
+        if not isinstance(value, dict):
+            return [f"{where}: expected an object, got {_kind(value)}"]
+        hints = typing.get_type_hints(schema)
+        out = [f"{where}: missing {key!r}" for key in sorted(schema.__required_keys__) if key not in value]
+        out += [f"{where}: unknown key {key!r}" for key in sorted(map(str, value)) if key not in hints]
+        for key, hint in hints.items():
+            if key in value:
+                out += problems(value[key], hint, f"{where}.{key}")
+        return out
+    if origin is list:
+        if not isinstance(value, list):
+            return [f"{where}: expected a list, got {_kind(value)}"]
+        (item,) = typing.get_args(schema)
+        return [p for i, v in enumerate(value) for p in problems(v, item, f"{where}[{i}]")]
+    if origin is dict:
+        if not isinstance(value, dict):
+            return [f"{where}: expected an object, got {_kind(value)}"]
+        key_type, item = typing.get_args(schema)
+        out = [f"{where}: key {k!r} is not a {key_type.__name__}" for k in value if not isinstance(k, key_type)]
+        return out + [p for k, v in value.items() for p in problems(v, item, f"{where}[{k!r}]")]
+    if schema is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif schema is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, schema)
+    return [] if ok else [f"{where}: expected {_name(schema)}, got {_kind(value)}"]
+
+
+def _is_typed_dict(schema: Any) -> bool:
+    return isinstance(schema, type) and issubclass(schema, dict) and hasattr(schema, "__required_keys__")
+
+
+def _name(schema: Any) -> str:
+    return "null" if schema is type(None) else getattr(schema, "__name__", str(schema))
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
