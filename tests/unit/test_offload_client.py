@@ -857,7 +857,9 @@ class FakeDriver:
 
 @pytest.fixture
 def driver() -> FakeDriver:
-    real = pytest.importorskip("cuda.bindings.driver")
+    real = pytest.importorskip(
+        "cuda.bindings.driver", reason="cuda-python is not installed: FakeDriver takes its types from the bindings"
+    )
     return FakeDriver(real)
 
 
