@@ -3,7 +3,11 @@
 ``FakeCheckpointDriver`` plugs into the cuda-checkpoint backend at the same
 seam as ``CudaDriver`` (``timesliced.backends.cuda_driver.CheckpointDriver``),
 so the backend code under test is the production code. It returns the real
-``cuda.bindings.driver`` enum values:
+``cuda.bindings.driver`` enum values (``CUresult``, ``CUprocessState``) where
+cuda-python is installed. Where it is not, it returns stand-ins with the same
+names and numbers (``StandInCUresult``, ``StandInCUprocessState``; a test checks
+them against the bindings where those are installed), so importing this module
+and collecting the tests that use it never needs cuda-python:
 
 - each PID is a state machine with the real API's transitions (``_TRANSITIONS``);
   a call in the wrong state returns ``CUDA_ERROR_ILLEGAL_STATE`` and changes nothing;
@@ -25,12 +29,53 @@ owns a process table (``descendants``, ``alive``) for the backend to read.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from cuda.bindings.driver import CUprocessState, CUresult  # type: ignore[import-untyped]
+
+class StandInCUresult(enum.IntEnum):
+    """The ``CUresult`` values the fake and its tests use, numbered as in cuda.h."""
+
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NOT_INITIALIZED = 3
+    CUDA_ERROR_NO_DEVICE = 100
+    CUDA_ERROR_OPERATING_SYSTEM = 304
+    CUDA_ERROR_ILLEGAL_STATE = 401
+    CUDA_ERROR_NOT_READY = 600
+    CUDA_ERROR_NOT_SUPPORTED = 801
+    CUDA_ERROR_TIMEOUT = 909
+    CUDA_ERROR_UNKNOWN = 999
+
+
+class StandInCUprocessState(enum.IntEnum):
+    """Every ``CUprocessState`` value, numbered as in cuda.h (CUDA 13)."""
+
+    CU_PROCESS_STATE_RUNNING = 0
+    CU_PROCESS_STATE_LOCKED = 1
+    CU_PROCESS_STATE_CHECKPOINTED = 2
+    CU_PROCESS_STATE_FAILED = 3
+    CU_PROCESS_STATE_CHECKPOINTING = 4
+    CU_PROCESS_STATE_RESTORING = 5
+
+
+HAVE_CUDA_PYTHON: bool
+if TYPE_CHECKING:  # the stand-ins have the names and values the fake uses; checkers need no bindings
+    CUresult = StandInCUresult
+    CUprocessState = StandInCUprocessState
+else:
+    try:
+        from cuda.bindings.driver import CUprocessState, CUresult
+
+        HAVE_CUDA_PYTHON = True
+    except ImportError:  # cuda-python is not installed
+        CUresult, CUprocessState = StandInCUresult, StandInCUprocessState
+        HAVE_CUDA_PYTHON = False
 
 RUNNING = CUprocessState.CU_PROCESS_STATE_RUNNING
 LOCKED = CUprocessState.CU_PROCESS_STATE_LOCKED

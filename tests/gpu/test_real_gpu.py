@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 from timesliced.backends import cuda_checkpoint
-from timesliced.client.device_memory import CudaDeviceMemory
-from timesliced.client.offload import Offloader
+from timesliced.client.offload import CudaDeviceMemory, Offloader
 from timesliced.config import DaemonConfig
 from timesliced.daemon.parking import open_parking
 from timesliced.errors import NotResident
@@ -100,7 +99,7 @@ def test_torch_offload_round_trip_on_cuda() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch is installed without CUDA")
-    from timesliced.client.torch_offload import TorchOffload
+    from timesliced.client.offload import TorchOffload
 
     device = torch.device("cuda", 0)
     model = torch.nn.Linear(1024, 1024).to(device)

@@ -398,13 +398,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         memory.cu = Driver()
         executor: Any = None
         if args.method == "offload":
-            from timesliced.client.device_memory import CudaDeviceMemory
-            from timesliced.client.offload import CombinedOffload, Offloader
+            from timesliced.client.offload import CombinedOffload, CudaDeviceMemory, Offloader
 
             memory.offloader = Offloader(CudaDeviceMemory(), verify=False)
             executor = memory.offloader
             if torch is not None:
-                from timesliced.client.torch_offload import TorchOffload
+                from timesliced.client.offload import TorchOffload
 
                 memory.torch_offload = TorchOffload()
                 executor = CombinedOffload(memory.offloader, memory.torch_offload)

@@ -186,8 +186,7 @@ def test_sim_memory_is_only_for_sim_jobs(daemon: EmbeddedDaemon) -> None:
 WORKLOAD = """
 import hashlib, json, os, sys, time, timesliced
 from timesliced.wire.park import ParkSpec
-from timesliced.client.device_memory import HostDeviceMemory
-from timesliced.client.offload import Offloader
+from timesliced.client.offload import HostDeviceMemory, Offloader
 
 job, address, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
 tags = tuple(sys.argv[4].split(",")) if sys.argv[4] else ()

@@ -15,7 +15,10 @@ from typing import Any
 
 import pytest
 
-cu = pytest.importorskip("cuda.bindings.driver")
+cu = pytest.importorskip(
+    "cuda.bindings.driver",
+    reason="cuda-python is not installed: these tests check the seam against the bindings' own types",
+)
 
 from tests.fakes.cuda_driver import (  # noqa: E402
     CHECKPOINTED,

@@ -12,16 +12,11 @@ from typing import Any
 import pytest
 
 from timesliced import errors
-from timesliced.client.device_memory import (
-    AddressSpace,
-    CudaDeviceMemory,
-    HostBuffer,
-    HostDeviceMemory,
-    check_result,
-    plan_chunks,
-    round_up,
-)
 from timesliced.client.offload import CombinedOffload, MoveStats, Offloader, Region, execute
+from timesliced.client.offload.address_space import AddressSpace
+from timesliced.client.offload.cuda_device_memory import CudaDeviceMemory, check_result
+from timesliced.client.offload.device_memory import HostBuffer, plan_chunks, round_up
+from timesliced.client.offload.host_device_memory import HostDeviceMemory
 from timesliced.wire.codec import decode_body, encode
 
 pytestmark = pytest.mark.timeout(30)
@@ -862,7 +857,9 @@ class FakeDriver:
 
 @pytest.fixture
 def driver() -> FakeDriver:
-    real = pytest.importorskip("cuda.bindings.driver")
+    real = pytest.importorskip(
+        "cuda.bindings.driver", reason="cuda-python is not installed: FakeDriver takes its types from the bindings"
+    )
     return FakeDriver(real)
 
 

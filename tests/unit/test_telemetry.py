@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -15,7 +15,19 @@ import pytest
 from tests.fakes.nvml import FakeGpu, FakeNvml, GiB, pynvml
 from timesliced.backends.base import DeviceInfo
 from timesliced.nvml import GpuSample, Nvml
-from timesliced.telemetry import DutyWindow, JobMoves, MoveKind, MoveLog, SimGpuSource, Telemetry
+from timesliced.telemetry import (
+    DutyWindow,
+    GpuRecord,
+    GpuSource,
+    JobMoves,
+    MoveKind,
+    MoveLog,
+    Sampler,
+    SamplingLog,
+    SimGpuSource,
+    SourceKind,
+    Telemetry,
+)
 
 MiB = 1 << 20
 
@@ -428,6 +440,105 @@ def test_sim_run_loop_samples_on_the_event_loop() -> None:
     run_until(t, lambda: len(seen) >= 3)
     assert all(seen)
     assert t.describe()["gpus"][0]["memory_used"] == 0
+
+
+# --- the parts on their own: GpuSource, GpuRecord, SamplingLog, Sampler ------------------------
+
+
+def test_gpu_source_resolves_each_kind(fake: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Nvml.open() as nvml:
+        real = GpuSource.of(nvml)
+        assert (real.kind, real.reason, real.driver, real.cuda, real.blocking) == (
+            SourceKind.NVML,
+            "",
+            "570.86.15",
+            "12.8",
+            True,
+        )
+        assert [d.index for d in real.devices] == [0, 1] and real.sample is not None
+    sim = SimGpuSource((DeviceInfo(0, 64 * MiB, "sim-gpu0"),), memory_used=lambda gpu: 0)
+    simulated = GpuSource.of(sim)
+    assert (simulated.kind, simulated.devices, simulated.blocking) == (SourceKind.SIM, sim.devices, False)
+    assert simulated.sample is not None and simulated.sample() == sim.sample()
+    FakeNvml(init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED).install(monkeypatch)
+    for source, reason in [(Nvml.open(), "the NVIDIA kernel driver is not loaded"), (None, "no GPU source")]:
+        none = GpuSource.of(source)
+        assert (none.kind, none.reason, none.devices, none.sample) == (SourceKind.NONE, reason, (), None)
+
+
+def sample(index: int, used: int | None = None, util: int | None = None, errors: tuple[str, ...] = ()) -> GpuSample:
+    return GpuSample(index, f"gpu{index}", "", 64 * MiB, used, None, util, None, {}, errors)
+
+
+def test_gpu_record_returns_the_problems_and_records_a_gpu_first_seen_in_a_sample() -> None:
+    record = GpuRecord((DeviceInfo(0, 64 * MiB, "gpu0"),), utilization_duty=True)
+    problems = record.ingest([sample(0, 1, 50, ("memory: Unknown",)), sample(5, 2, 200)], 1.0)
+    assert problems == ["GPU 0: memory: Unknown"]
+    assert record.ingest([sample(0, 1, 50), sample(5, 2, 200)], 2.0) == []
+    assert record.sampled_at == 2.0 and set(record.latest) == {0, 5}
+    assert record.window(5).duty_now(2.0) == 1.0  # 200 % clamped
+    assert [g["index"] for g in record.describe(2.0, 10)] == [0, 5]
+    with pytest.raises(KeyError):
+        record.window(6)
+
+
+def test_gpu_record_without_utilization_duty_takes_only_memory_from_samples() -> None:
+    record = GpuRecord((DeviceInfo(0, 64 * MiB, "gpu0"),))
+    record.ingest([sample(0, 7, 100)], 1.0)
+    assert record.window(0).fed_at is None and record.window(0).memory_now() == 7
+    record.set_held({0}, 1.0)
+    assert record.window(0).duty_now(2.0) == 1.0
+
+
+def test_gpu_record_refuses_an_unknown_gpu_and_changes_nothing() -> None:
+    record = GpuRecord((DeviceInfo(0, 64 * MiB, "gpu0"),))
+    record.set_busy(0, True, 1.0)
+    before = window_state(record.window(0))
+    with pytest.raises(ValueError, match="no simulated GPU 3"):
+        record.set_busy(3, True, 2.0)
+    assert window_state(record.window(0)) == before and record.describe(2.0, 10)[0]["index"] == 0
+
+
+def test_sampling_log_logs_each_message_once_within_its_bound(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "timesliced.telemetry")
+    trouble = SamplingLog(interval=0.5)
+    for _ in range(3):
+        trouble.warn_once("GPU 0: utilization: Not Supported")
+    assert len(caplog.records) == 1 and "retrying every 0.5s" in caplog.records[0].getMessage()
+    for i in range(256):  # the bound: the set of remembered messages starts again
+        trouble.warn_once(f"problem {i}")
+    trouble.warn_once("GPU 0: utilization: Not Supported")
+    assert len(caplog.records) == 1 + 256 + 1
+    trouble.failed(RuntimeError("hiccup"))
+    assert trouble.error == "RuntimeError: hiccup" and caplog.records[-1].exc_info is not None
+    trouble.succeeded()
+    assert trouble.error is None and caplog.records[-1].getMessage() == "GPU sampling works again"
+    trouble.succeeded()  # nothing was wrong: nothing to say
+    assert caplog.records[-1].getMessage() == "GPU sampling works again" and len(caplog.records) == 260
+
+
+def test_sampler_reads_a_blocking_source_in_a_worker_thread_and_stamps_with_its_clock() -> None:
+    threads: list[int] = []
+    got: list[tuple[list[GpuSample], float]] = []
+
+    def read() -> list[GpuSample]:
+        threads.append(threading.get_ident())
+        return [sample(0, 1)]
+
+    def ingest(samples: Sequence[GpuSample], now: float) -> None:
+        got.append((list(samples), now))
+
+    clock = Clock(42.0)
+    for blocking in (True, False):
+        sampler = Sampler(
+            GpuSource(SourceKind.SIM, sample=read, blocking=blocking), ingest, SamplingLog(1.0), interval=1, clock=clock
+        )
+        assert asyncio.run(sampler.refresh()) == [sample(0, 1)]
+    assert got == [([sample(0, 1)], 42.0)] * 2
+    assert threads[0] != threading.get_ident() and threads[1] == threading.get_ident()
+    idle = Sampler(GpuSource(SourceKind.NONE, "off"), ingest, SamplingLog(1.0), interval=1, clock=clock)
+    assert asyncio.run(idle.refresh()) == [] and len(got) == 2  # nothing to read: nothing ingested
+    asyncio.run(asyncio.wait_for(idle.run(), 10))  # returns at once
 
 
 # --- MoveLog -----------------------------------------------------------------------------------

@@ -19,9 +19,8 @@ else:
     torch = pytest.importorskip("torch")
 
 from timesliced import errors
-from timesliced.client.device_memory import HostDeviceMemory
-from timesliced.client.offload import CombinedOffload, Offloader, execute
-from timesliced.client.torch_offload import TorchOffload, tensor_checksum
+from timesliced.client.offload import CombinedOffload, HostDeviceMemory, Offloader, TorchOffload, execute
+from timesliced.client.offload.torch_state import tensor_checksum
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from ..client.offload import Offloader
+from ..client.offload import CudaDeviceMemory, HostDeviceMemory, Offloader
 from ..util.stats import median, percentile
 from .common import DaemonProcess
 
@@ -28,14 +28,8 @@ MiB = 1 << 20
 REGION = 256 * MiB
 
 
-def _memory(device: str) -> Any:
-    if device == "cuda":
-        from ..client.device_memory import CudaDeviceMemory
-
-        return CudaDeviceMemory()
-    from ..client.device_memory import HostDeviceMemory
-
-    return HostDeviceMemory(gpus=1)
+def _memory(device: str) -> CudaDeviceMemory | HostDeviceMemory:
+    return CudaDeviceMemory() if device == "cuda" else HostDeviceMemory(gpus=1)
 
 
 def copy_figures(mib: int, rounds: int, device: str) -> dict[str, Any]:
@@ -72,8 +66,6 @@ def copy_figures(mib: int, rounds: int, device: str) -> dict[str, Any]:
 
 def switch_worker(address: str, job: str, turns: int) -> dict[str, Any]:
     import timesliced
-
-    from ..client.device_memory import HostDeviceMemory
 
     off = Offloader(HostDeviceMemory(gpus=1))
     off.alloc(MiB, tag="weights")

@@ -1,4 +1,4 @@
-"""In-process offload: park and unpark a workload's registered device memory by tag.
+"""Raw device regions: allocate parkable device memory by tag, and park and unpark it.
 
 A workload allocates the device memory it wants to be parkable through an
 :class:`Offloader`, one :class:`Region` per allocation, each with a *tag*
@@ -6,7 +6,8 @@ A workload allocates the device memory it wants to be parkable through an
 the job to park some tags, :meth:`Offloader.park` copies those regions to
 host memory and frees their device memory; :meth:`Offloader.unpark` maps
 device memory again at the *same* addresses and copies the bytes back, so
-``region.ptr`` stays valid for the workload's kernels throughout.
+``region.ptr`` stays valid for the workload's kernels throughout. The device
+is a :class:`~.device_memory.DeviceMemory`.
 
 Every region is at every moment either *resident* (the device copy is the
 valid one) or *parked* (the host copy is): an operation that fails midway
@@ -14,10 +15,6 @@ puts every region it touched back into one of those two states and says
 which in the error's details (``resident`` / ``parked``: region names).
 A park that fails is rolled back to resident where possible; an unpark that
 fails leaves its regions parked.
-
-:func:`execute` runs one park / unpark directive over several executors (an
-``Offloader`` and a :class:`~timesliced.client.torch_offload.TorchOffload`,
-say) and is what the client connection calls when a directive arrives.
 """
 
 from __future__ import annotations
@@ -25,120 +22,12 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from ..errors import BackendError, NotResident, TimeslicedError, UnknownRegion
+from ...errors import BackendError, NotResident, TimeslicedError, UnknownRegion
 from .device_memory import DEFAULT_CHUNK, DeviceMemory, HostBuffer, plan_chunks, round_up
-
-OPS = ("park", "unpark")
-
-
-# --- figures --------------------------------------------------------------------------
-
-
-def _add(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = out.get(k, 0) + v
-    return out
-
-
-@dataclass
-class MoveStats:
-    """What one park or unpark did.
-
-    ``nbytes`` were copied in ``copy_seconds`` (issue of the first copy to
-    the end of the last), ``seconds`` is the whole operation (host buffer
-    allocation, unmapping, verification included). ``regions`` moved,
-    ``skipped`` were already where they were asked to go. ``per_gpu``: bytes
-    moved per GPU; ``resident``: device bytes the executor holds per GPU
-    after the operation; ``footprint``: what it holds when everything is
-    resident.
-    """
-
-    op: str
-    nbytes: int = 0
-    seconds: float = 0.0
-    copy_seconds: float = 0.0
-    regions: int = 0
-    skipped: int = 0
-    verified: bool = False
-    per_gpu: dict[int, int] = field(default_factory=dict)
-    resident: dict[int, int] = field(default_factory=dict)
-    footprint: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def gbps(self) -> float:
-        """Achieved copy bandwidth in GB/s (10^9 bytes per second)."""
-        return self.nbytes / self.copy_seconds / 1e9 if self.copy_seconds > 0 else 0.0
-
-    def merged(self, other: MoveStats) -> MoveStats:
-        """The figures of two executors that ran the same directive one after the other."""
-        if other.op != self.op:
-            raise ValueError(f"cannot merge {self.op} and {other.op} figures")
-        return MoveStats(
-            op=self.op,
-            nbytes=self.nbytes + other.nbytes,
-            seconds=self.seconds + other.seconds,
-            copy_seconds=self.copy_seconds + other.copy_seconds,
-            regions=self.regions + other.regions,
-            skipped=self.skipped + other.skipped,
-            verified=self.verified and other.verified,
-            per_gpu=_add(self.per_gpu, other.per_gpu),
-            resident=_add(self.resident, other.resident),
-            footprint=_add(self.footprint, other.footprint),
-        )
-
-    def to_wire(self) -> dict[str, Any]:
-        """Plain msgpack-able data (GPU indices as string keys)."""
-
-        def gpus(d: dict[int, int]) -> dict[str, int]:
-            return {str(k): v for k, v in sorted(d.items())}
-
-        return {
-            "op": self.op,
-            "nbytes": self.nbytes,
-            "seconds": self.seconds,
-            "copy_seconds": self.copy_seconds,
-            "gbps": self.gbps,
-            "regions": self.regions,
-            "skipped": self.skipped,
-            "verified": self.verified,
-            "per_gpu": gpus(self.per_gpu),
-            "resident": gpus(self.resident),
-            "footprint": gpus(self.footprint),
-        }
-
-
-class Parkable(Protocol):
-    """An in-process executor of park / unpark directives (``Offloader``, ``TorchOffload``)."""
-
-    def tags(self) -> set[str]:
-        """The tags that have something registered."""
-        ...
-
-    def park(self, tags: Iterable[str] = (), *, verify: bool | None = None) -> MoveStats:
-        """Copy the tagged memory (all if ``tags`` is empty) to host and free it on the device."""
-        ...
-
-    def unpark(self, tags: Iterable[str] = (), *, verify: bool | None = None) -> MoveStats:
-        """Bring parked tagged memory (all if ``tags`` is empty) back onto the device."""
-        ...
-
-    def footprint(self) -> dict[int, int]:
-        """Device bytes per GPU when everything is resident."""
-        ...
-
-    def resident(self) -> dict[int, int]:
-        """Device bytes per GPU held now."""
-        ...
-
-
-def tag_set(tags: Iterable[str]) -> set[str]:
-    """``tags`` as a set; a lone string is one tag, not its characters."""
-    return {tags} if isinstance(tags, str) else set(tags)
+from .parkable import MoveStats, tag_set
 
 
 def checksum(view: memoryview | bytes, chunk: int = DEFAULT_CHUNK) -> int:
@@ -201,8 +90,8 @@ class Region:
 class Offloader:
     """The registry of a workload's parkable device regions and the park / unpark executor.
 
-    ``memory`` is the device: :class:`~timesliced.client.device_memory.CudaDeviceMemory`
-    on a GPU, :class:`~timesliced.client.device_memory.HostDeviceMemory` elsewhere.
+    ``memory`` is the device: :class:`~.cuda_device_memory.CudaDeviceMemory`
+    on a GPU, :class:`~.host_device_memory.HostDeviceMemory` elsewhere.
     ``verify``: checksum host copies at park and check the device copy after
     every unpark (the default of the ``verify`` argument of ``park`` /
     ``unpark``). ``keep_host_bytes``: how many bytes of host buffers to keep
@@ -557,100 +446,3 @@ class Offloader:
         for r in regions:
             out[r.gpu] = out.get(r.gpu, 0) + size(r)
         return out
-
-
-# --- directives -----------------------------------------------------------------------
-
-
-def execute(
-    op: str, executors: Sequence[Parkable], tags: Collection[str] = (), *, verify: bool | None = None
-) -> MoveStats:
-    """Run one park / unpark directive over every executor; returns the merged figures.
-
-    ``tags`` empty means everything; otherwise each executor gets the tags it
-    knows, and a tag that no executor knows raises ``UnknownRegion`` before
-    anything moves. When an executor fails, the executors that already moved
-    are moved back (a failed park leaves the job resident, a failed unpark
-    leaves it parked) and the error is re-raised with ``details["rollback"]``.
-    Raises ``ValueError`` for an unknown ``op``.
-    """
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    wanted = tag_set(tags)
-    known: set[str] = set().union(*(e.tags() for e in executors)) if executors else set()
-    unknown = wanted - known
-    if unknown:
-        raise UnknownRegion(f"no parkable memory tagged {sorted(unknown)}", tags=sorted(unknown))
-    ran: list[MoveStats] = []
-    idle = MoveStats(op)  # executors the tags do not concern still report what they hold
-    done: list[tuple[Parkable, set[str]]] = []
-    for executor in executors:
-        mine = wanted & executor.tags()
-        if wanted and not mine:  # an empty set would mean "everything" to the executor
-            idle.resident = _add(idle.resident, executor.resident())
-            idle.footprint = _add(idle.footprint, executor.footprint())
-            continue
-        try:
-            stats = executor.park(mine, verify=verify) if op == "park" else executor.unpark(mine, verify=verify)
-        except TimeslicedError as exc:
-            exc.details["rollback"] = _undo(op, done)
-            raise
-        ran.append(stats)
-        done.append((executor, mine))
-    if not ran:
-        idle.verified = bool(verify)
-        return idle
-    total = ran[0]
-    for stats in ran[1:]:
-        total = total.merged(stats)
-    total.resident = _add(total.resident, idle.resident)
-    total.footprint = _add(total.footprint, idle.footprint)
-    return total
-
-
-class CombinedOffload:
-    """Several executors answering directives as one (raw regions and torch state, say).
-
-    Hand it to the client as its one executor; ``park`` / ``unpark`` run
-    :func:`execute` over the parts, in order.
-    """
-
-    def __init__(self, *executors: Parkable, verify: bool | None = None) -> None:
-        self.executors = list(executors)
-        self.verify = verify
-
-    def tags(self) -> set[str]:
-        return set().union(*(e.tags() for e in self.executors)) if self.executors else set()
-
-    def park(self, tags: Iterable[str] = (), *, verify: bool | None = None) -> MoveStats:
-        return execute("park", self.executors, tag_set(tags), verify=self.verify if verify is None else verify)
-
-    def unpark(self, tags: Iterable[str] = (), *, verify: bool | None = None) -> MoveStats:
-        return execute("unpark", self.executors, tag_set(tags), verify=self.verify if verify is None else verify)
-
-    def footprint(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for e in self.executors:
-            out = _add(out, e.footprint())
-        return out
-
-    def resident(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for e in self.executors:
-            out = _add(out, e.resident())
-        return out
-
-
-def _undo(op: str, done: Sequence[tuple[Parkable, set[str]]]) -> str:
-    problems: list[str] = []
-    for executor, mine in reversed(done):
-        try:
-            if op == "park":
-                executor.unpark(mine)
-            else:
-                executor.park(mine)
-        except TimeslicedError as exc:
-            problems.append(exc.message)
-    if not done:
-        return "none needed"
-    return "ok" if not problems else "failed: " + "; ".join(problems)

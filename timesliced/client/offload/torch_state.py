@@ -1,7 +1,7 @@
 """Parking PyTorch state: modules, optimizers and tensors, by tag.
 
 :class:`TorchOffload` is the torch counterpart of
-:class:`~timesliced.client.offload.Offloader` and answers the same park /
+:class:`~.regions.Offloader` and answers the same park /
 unpark directives. Parking a tensor copies its data (and its ``.grad``) to a
 host tensor, page-locked on CUDA, then swaps the tensor's storage for an
 empty one (``t.data = torch.empty(0, ...)``) so that the caching allocator
@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BackendError, BackendUnavailable, UnknownRegion
+from ...errors import BackendError, BackendUnavailable, UnknownRegion
 from .device_memory import DEFAULT_CHUNK, plan_chunks
-from .offload import MoveStats, tag_set
+from .parkable import MoveStats, tag_set
 
 
 def _torch() -> Any:
