@@ -7,11 +7,17 @@ nothing and are not counted; imports inside functions are (they load when called
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2] / "timesliced"
 
@@ -164,6 +170,13 @@ ALL_EDGES = [edge for module in MODULES for edge in imports(module)]
 def test_every_module_is_in_a_layer() -> None:
     for module in MODULES:
         layer_of(module)
+
+
+def test_every_package_ships_in_the_wheel() -> None:
+    """pyproject.toml lists the packages one by one (web/ and static/ are mapped into the package)."""
+    listed = set(tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {"timesliced" + (f".{m}" if m else "") for m, path in MODULES.items() if path.name == "__init__.py"}
+    assert packages - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
 
 
 def test_imports_go_the_allowed_way() -> None:
