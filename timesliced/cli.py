@@ -335,9 +335,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     def keep(daemon: Any) -> None:
         where = f" at {daemon.web_url}" if daemon.web_url else ""
-        say(f"the demo is done; the daemon stays up{where} (Ctrl-C to stop)")
         signal.signal(signal.SIGTERM, _interrupt)
-        try:
+        try:  # before saying so: a Ctrl-C right after the message must end the wait, not the program
+            say(f"the demo is done; the daemon stays up{where} (Ctrl-C to stop)")
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:

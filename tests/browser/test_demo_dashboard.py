@@ -22,7 +22,7 @@ except ImportError:  # the browser fixture explains; CI wants a failure, not a s
 from timesliced.bench import demo
 from timesliced.daemon.embedded import EmbeddedDaemon
 
-from .conftest import screenshot, wait_live
+from ..helpers.browser import screenshot, wait_live
 
 SCALE = 0.6  # every phase of the demo jobs, shortened
 

@@ -157,3 +157,253 @@ def place(
     job: str, waited_s: float, requests: int = 1, *, kept_for_s: float | None = None, preempted: bool = False
 ) -> schema.QueuePlace:
     return {"job": job, "waited_s": waited_s, "requests": requests, "kept_for_s": kept_for_s, "preempted": preempted}
+
+
+# --- whole documents ----------------------------------------------------------------------
+
+MiB = 1 << 20
+NOW = 1_700_000_000.0
+
+
+def dashboard_status() -> dict[str, Any]:
+    """The dashboard tests' document: one group, three jobs, two GPUs."""
+    return {
+        "node": "node-7",
+        "version": "0.1.0",
+        "pid": 1234,
+        "backend": "sim",
+        "parking": {"default": "sim", "why": "--backend", "device_source": "sim", "methods": {"sim": "available"}},
+        "addresses": ["/tmp/x.sock"],
+        "uptime_s": 75.0,
+        "connections": 3,
+        "counters": counters(accepted=3),
+        "devices": [
+            {
+                "index": 0,
+                "capacity": 64 * MiB,
+                "used": 40 * MiB,
+                "jobs": {
+                    "rl-math": {"bytes": 40 * MiB, "location": "parked"},
+                    "sft-chat": {"bytes": 40 * MiB, "location": "resident"},
+                },
+            },
+            {"index": 1, "capacity": 64 * MiB, "used": 0, "jobs": {}},
+        ],
+        "groups": [
+            {
+                "group": "pool",
+                "gpus": [0, 1],
+                "state": "locked",
+                "holder": "sft-chat",
+                "held_s": 12.5,
+                "fence": 7,
+                "queue": [
+                    place("rl-math", 3.25, preempted=True),
+                    place("rl-code", 1.5, 2, kept_for_s=12.0),
+                ],
+                "frozen": None,
+                "max_slice_s": 300.0,
+                "slice_action": "preempt",
+                "overdue_s": 4.0,
+                "preemptions": 2,
+                "switching_to": None,
+                "grants": 7,
+                "switches": 4,
+                "bytes_moved": 160 * MiB,
+                "median_switch_s": 0.42,
+                "p95_switch_s": 0.9,
+                "median_wait_s": 2.0,
+                "lock_duty": 0.87,
+                "draining": False,
+                "deferred": 0,
+            }
+        ],
+        "jobs": [
+            {
+                "job": "rl-math",
+                "group": "pool",
+                "location": "parked",
+                "faulted": None,
+                "sessions": 1,
+                "pids": [5001],
+                "footprint": {"0": 40 * MiB},
+                "slices": 3,
+                "restores": 2,
+                "snapshots": 3,
+                "gpu_seconds": 33.0,
+                "bytes_moved": 200 * MiB,
+                "median_wait_s": 1.25,
+                "park": "sim",
+                "measured": {"0": 41 * MiB},
+            },
+            {
+                "job": "sft-chat",
+                "group": "pool",
+                "location": "resident",
+                "faulted": None,
+                "sessions": 1,
+                "pids": [5002],
+                "footprint": {"0": 40 * MiB},
+                "slices": 4,
+                "restores": 1,
+                "snapshots": 1,
+                "gpu_seconds": 40.0,
+                "bytes_moved": 80 * MiB,
+                "median_wait_s": 0.5,
+                "park": "cuda-checkpoint",
+                "measured": {},
+            },
+            {
+                "job": "rl-code",
+                "group": "pool",
+                "location": "resident",
+                "faulted": "restore failed: out of memory",
+                "sessions": 2,
+                "pids": [],
+                "footprint": {},
+                "slices": 0,
+                "restores": 0,
+                "snapshots": 0,
+                "gpu_seconds": 0.0,
+                "bytes_moved": 0,
+                "median_wait_s": None,
+                "park": "sim",
+                "measured": {},
+            },
+        ],
+        "cluster": cluster("node-7"),
+        "telemetry": telemetry(
+            gpu(
+                0,
+                total=64 * MiB,
+                used=48 * MiB,
+                duty_now=0.93,
+                duty_window=0.61,
+                processes={"5002": 40 * MiB, "5001": 0},
+            ),
+            gpu(1, total=64 * MiB, used=0, duty_now=0.0, duty_window=0.0),
+        ),
+        "moves": {
+            "recent": [
+                move("rl-math", "snapshot", 40 * MiB, 0.05, NOW),
+                move("sft-chat", "restore", 40 * MiB, 0.08, NOW),
+            ],
+            "jobs": {
+                "rl-math": job_moves(5, 3, 2, 200 * MiB, 0.25),
+                "sft-chat": job_moves(2, 1, 1, 80 * MiB, 0.15),
+            },
+        },
+    }
+
+
+def metrics_status() -> dict[str, Any]:
+    """The metrics tests' document: one group of two GPUs held by sft-chat, two jobs queued, rl-math parked."""
+    return {
+        "node": "vm",
+        "version": "0.1.0",
+        "pid": 18684,
+        "backend": "sim",
+        "parking": parking(),
+        "addresses": ["/run/timesliced/timesliced.sock"],
+        "uptime_s": 12.5,
+        "connections": 3,
+        "counters": counters(accepted=3),
+        "devices": [
+            {
+                "index": 0,
+                "capacity": 67108864,
+                "used": 41943040,
+                "jobs": {
+                    "rl-math": {"bytes": 41943040, "location": "parked"},
+                    "sft-chat": {"bytes": 41943040, "location": "resident"},
+                },
+            },
+            {"index": 1, "capacity": 67108864, "used": 0, "jobs": {}},
+        ],
+        "groups": [
+            {
+                "group": "pool",
+                "gpus": [0, 1],
+                "state": "locked",
+                "holder": "sft-chat",
+                "held_s": 0.37,
+                "fence": 2,
+                "queue": [place("rl-math", 0.30), place("rl-code", 0.30)],
+                "overdue_s": None,
+                "max_slice_s": None,
+                "slice_action": None,
+                "preemptions": 0,
+                "frozen": None,
+                "switching_to": None,
+                "draining": False,
+                "deferred": 1,
+                "grants": 2,
+                "switches": 0,
+                "bytes_moved": 41943040,
+                "median_switch_s": None,
+                "p95_switch_s": None,
+                "median_wait_s": 0.0,
+                "lock_duty": 0.99,
+            }
+        ],
+        "jobs": [
+            {
+                "job": "rl-math",
+                "group": "pool",
+                "location": "parked",
+                "faulted": None,
+                "sessions": 1,
+                "pids": [18684],
+                "footprint": {"0": 41943040},
+                "slices": 1,
+                "restores": 0,
+                "snapshots": 1,
+                "gpu_seconds": 0.25,
+                "bytes_moved": 41943040,
+                "median_wait_s": 0.0,
+                "park": "sim",
+                "measured": {},
+            },
+            {
+                "job": "sft-chat",
+                "group": "pool",
+                "location": "resident",
+                "faulted": None,
+                "sessions": 1,
+                "pids": [18684],
+                "footprint": {"0": 41943040},
+                "slices": 1,
+                "restores": 0,
+                "snapshots": 0,
+                "gpu_seconds": 0.75,
+                "bytes_moved": 0,
+                "median_wait_s": 0.0,
+                "park": "sim",
+                "measured": {},
+            },
+            {
+                "job": "rl-code",
+                "group": "pool",
+                "location": "resident",
+                "faulted": "restore failed: timed out",
+                "sessions": 1,
+                "pids": [18684],
+                "footprint": {},
+                "slices": 0,
+                "restores": 0,
+                "snapshots": 0,
+                "gpu_seconds": 0.0,
+                "bytes_moved": 0,
+                "median_wait_s": None,
+                "park": "sim",
+                "measured": {},
+            },
+        ],
+        "cluster": cluster("vm"),
+        "telemetry": telemetry(
+            gpu(0, total=67108864, used=50331648, duty_now=1.0, duty_window=0.75),
+            # no sample yet: the scheduler's figure stands in
+            gpu(1, total=67108864, used=None, duty_now=0.0, duty_window=0.5),
+        ),
+        "moves": {"recent": [], "jobs": {}},
+    }

@@ -40,7 +40,8 @@ from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.env import PEER_TOKEN_ENV, TOKEN_ENV, TOKEN_FILE_ENV
 from timesliced.wire.proof import Purpose, prove
 
-from ..conftest import TOKEN, Raw, wait_for
+from ..helpers.daemon import TOKEN, Raw
+from ..helpers.processes import wait_for
 
 WRONG = "not-the-shared-token-9f8e7d6c"
 OTHER_USER = 1000

@@ -14,7 +14,8 @@ import timesliced
 from timesliced import errors
 from timesliced.daemon.embedded import EmbeddedDaemon
 
-from ..conftest import Raw, run_python, wait_for
+from ..helpers.daemon import Raw
+from ..helpers.processes import run_python, wait_for
 
 
 @pytest.fixture

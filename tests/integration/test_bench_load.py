@@ -11,7 +11,7 @@ import pytest
 
 from timesliced.bench.load import DaemonSample, ProcessSample, failed, lost_fences, summarize
 
-from ..conftest import REPO
+from ..helpers.processes import REPO
 
 MiB = 1 << 20
 KEYS = {

@@ -17,7 +17,7 @@ import pytest
 import timesliced
 from timesliced.env import default_sim_dir
 
-from ..conftest import REPO, wait_for
+from ..helpers.processes import REPO, run_python, wait_for
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -226,3 +226,11 @@ def test_daemon_kill_9_loses_no_parked_bytes(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
         shutil.rmtree(sim_dir, ignore_errors=True)
+
+
+def test_serve_with_an_unavailable_backend_exits_with_the_reason(tmp_path: Path) -> None:
+    code = "import sys, timesliced.cli as c; sys.exit(c.main(sys.argv[1:]))"
+    args = ["serve", "--web", "off", "--backend", "cuda-checkpoint", "--state-dir", str(tmp_path / "s")]
+    result = run_python(code, *args, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("timesliced: cuda-checkpoint cannot run here: "), result.stderr

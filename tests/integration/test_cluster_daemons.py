@@ -43,8 +43,9 @@ def test_three_daemons_elect_one_leader_and_forward(tmp_path: Path) -> None:
         # two jobs, each with a process on both followers, take turns through forwarding
         followers = [n for n in cluster.names if n != leader]
         logs = [tmp_path / f"{n}-{j}.jsonl" for n in followers for j in ("a", "b")]
+        # each process goes on until it had 5 grants, however slow the machine is today
         procs = [
-            spawn_worker(f"job-{j}", "pool", cluster.socket(n), 3.0, 40 * MiB, tmp_path / f"{n}-{j}.jsonl")
+            spawn_worker(f"job-{j}", "pool", cluster.socket(n), 3.0, 40 * MiB, tmp_path / f"{n}-{j}.jsonl", at_least=5)
             for n in followers
             for j in ("a", "b")
         ]

@@ -25,8 +25,8 @@ from timesliced.config import DaemonConfig
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.daemon.parking import Parking
 
-from ..conftest import wait_for
 from ..fakes.cuda_driver import CHECKPOINTED, RUNNING, FakeCheckpointDriver, FakeGpuMemory
+from ..helpers.processes import wait_for
 
 GiB = 1 << 30
 

@@ -17,7 +17,7 @@ from timesliced import errors
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.wire.park import ParkSpec
 
-from ..conftest import REPO, wait_for
+from ..helpers.processes import REPO, wait_for
 
 
 class EngineProcess:

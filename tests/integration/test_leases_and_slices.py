@@ -18,7 +18,8 @@ from timesliced.core.scheduler import SlicePolicy
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.env import default_sim_dir
 
-from ..conftest import Raw, wait_for
+from ..helpers.daemon import Raw
+from ..helpers.processes import wait_for
 
 MiB = 1 << 20
 

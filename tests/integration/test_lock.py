@@ -15,7 +15,8 @@ import timesliced
 from timesliced import errors
 from timesliced.daemon.embedded import EmbeddedDaemon
 
-from ..conftest import TOKEN, wait_for
+from ..helpers.daemon import TOKEN
+from ..helpers.processes import wait_for
 
 
 def client(daemon: EmbeddedDaemon, job: str, group: str = "g", **kw: object) -> timesliced.Client:

@@ -19,7 +19,7 @@ from timesliced import errors
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.wire.park import ParkSpec
 
-from ..conftest import spawn_python, wait_for
+from ..helpers.processes import spawn_python, wait_for
 
 
 class Recorder:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.helpers.processes import wait_for
 from timesliced.util.processes import descendants, pid_alive
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs procfs")

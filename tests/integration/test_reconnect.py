@@ -17,7 +17,7 @@ from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.daemon.journal import Journal
 from timesliced.env import default_sim_dir
 
-from ..conftest import wait_for
+from ..helpers.processes import wait_for
 
 MiB = 1 << 20
 

@@ -13,7 +13,9 @@ import timesliced
 from timesliced import errors
 from timesliced.daemon.embedded import EmbeddedDaemon
 
-from ..conftest import MiB, spawn_python, wait_for
+from ..helpers.processes import spawn_python, wait_for
+
+MiB = 1 << 20
 
 WORKER = """
 import json, sys, timesliced

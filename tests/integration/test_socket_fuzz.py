@@ -48,7 +48,10 @@ from timesliced.util.processes import PID_MAX
 from timesliced.wire.codec import DEFAULT_MAX_FRAME, MAX_DEPTH
 from timesliced.wire.messages import MAX_REQUEST_ID
 
-from ..conftest import MiB, Raw, spawn_python, wait_for
+from ..helpers.daemon import Raw
+from ..helpers.processes import spawn_python, wait_for
+
+MiB = 1 << 20
 
 SEED = int(os.environ.get("TIMESLICED_FUZZ_SEED", "1912"))
 CASES = int(os.environ.get("TIMESLICED_FUZZ_CASES", "1500"))

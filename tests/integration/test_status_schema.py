@@ -15,16 +15,15 @@ from timesliced.client import Client
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.wire.status import Status, problems
 
-from ..browser.test_dashboard_browser import EvolvingSource
-from ..conftest import wait_for
-from ..unit.test_dashboard import sample_status
-from ..unit.test_metrics import STATUS
+from ..helpers.evolving_source import EvolvingSource
+from ..helpers.processes import wait_for
+from ..helpers.status_docs import dashboard_status, metrics_status
 
 MiB = 1 << 20
 
 
 def test_the_checker_finds_every_kind_of_difference() -> None:
-    doc: Any = sample_status()
+    doc: Any = dashboard_status()
     assert problems(doc) == []
     del doc["node"]
     doc["extra"] = 1
@@ -46,7 +45,7 @@ def test_the_checker_finds_every_kind_of_difference() -> None:
 
 @pytest.mark.parametrize(
     "fixture",
-    [sample_status, lambda: STATUS, lambda: EvolvingSource().status(), lambda: EvolvingSource(frozen=True).status()],
+    [dashboard_status, metrics_status, lambda: EvolvingSource().status(), lambda: EvolvingSource(frozen=True).status()],
     ids=["dashboard", "metrics", "browser", "browser-frozen"],
 )
 def test_every_fixture_holds_to_the_schema(fixture: Any) -> None:

@@ -15,7 +15,7 @@ import timesliced
 from timesliced import errors
 from timesliced.daemon.embedded import EmbeddedDaemon
 
-from ..conftest import wait_for
+from ..helpers.processes import wait_for
 
 TOKEN = "s3cret-admin-token-0123456789"
 

@@ -8,7 +8,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from ..conftest import REPO
+from ..helpers.processes import REPO
 
 SERVE_EVERYTHING = """
 import json, sys, urllib.request

@@ -14,7 +14,6 @@ from timesliced.config import DaemonConfig
 from timesliced.daemon.parking import Parking, open_parking
 from timesliced.env import default_sim_dir
 
-from ..conftest import run_python
 from ..fakes.nvml import FakeGpu, FakeNvml
 
 GiB = 1 << 30
@@ -135,11 +134,3 @@ def test_offload_on_real_gpus(opened: Opened, monkeypatch: pytest.MonkeyPatch) -
 def test_an_unknown_backend(opened: Opened) -> None:
     with pytest.raises(errors.BackendUnavailable, match="unknown backend 'teleport'"):
         opened("teleport")
-
-
-def test_serve_with_an_unavailable_backend_exits_with_the_reason(tmp_path: Path) -> None:
-    code = "import sys, timesliced.cli as c; sys.exit(c.main(sys.argv[1:]))"
-    args = ["serve", "--web", "off", "--backend", "cuda-checkpoint", "--state-dir", str(tmp_path / "s")]
-    result = run_python(code, *args, timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.startswith("timesliced: cuda-checkpoint cannot run here: "), result.stderr

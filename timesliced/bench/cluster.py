@@ -133,14 +133,15 @@ WORKER = r"""
 import json, os, sys, time, timesliced
 from timesliced import errors
 job, group, address, log = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[6]
-seconds, size = float(sys.argv[4]), int(sys.argv[5])
+seconds, size, at_least = float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[7])
 client = timesliced.Client(job=job, group=group, address=address, gpus=[0])
 region, expected, data_errors, grants = None, None, 0, 0
 end = time.monotonic() + seconds
 out = open(log, "a", buffering=1)
 try:
     with client:
-        while time.monotonic() < end:
+        # for ``seconds``, and on (for at most a minute) until this process had ``at_least`` grants
+        while time.monotonic() < end or (grants < at_least and time.monotonic() < end + 60):
             asked = time.monotonic()
             grant = client.acquire(timeout=60)
             start = time.monotonic()
@@ -164,8 +165,11 @@ print(json.dumps({"job": job, "grants": grants, "data_errors": data_errors}), fl
 """
 
 
-def spawn_worker(job: str, group: str, sock: Path, seconds: float, size: int, log: Path) -> subprocess.Popen[str]:
-    args = [job, group, str(sock), str(seconds), str(size), str(log)]
+def spawn_worker(
+    job: str, group: str, sock: Path, seconds: float, size: int, log: Path, *, at_least: int = 0
+) -> subprocess.Popen[str]:
+    """A process of ``job`` taking turns for ``seconds`` (and until it had ``at_least`` grants), logging each."""
+    args = [job, group, str(sock), str(seconds), str(size), str(log), str(at_least)]
     return subprocess.Popen(
         [sys.executable, "-c", WORKER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import REPO, wait_for
 from tests.fakes.proxy import FaultProxy, ProxyMesh
+from tests.helpers.processes import REPO, wait_for
 
 SILENCE = 0.3  # how long a black-holed client waits to be sure that no reply comes
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.fakes.cuda_driver import StandInCUprocessState, StandInCUresult
 
-from ..conftest import REPO
+from ..helpers.processes import REPO
 
 # Python as if cuda-python were not installed: with None in sys.modules, every import of cuda fails.
 WITHOUT_CUDA = "import sys\nsys.modules['cuda'] = None\n"

@@ -24,13 +24,11 @@ from timesliced.dashboard import (
     HUB,
     admin,
     dumps,
-    fmt_bytes,
     fmt_duration,
     job_color,
     make_app,
     pathseg,
     serve,
-    timeline_delta,
 )
 
 from ..helpers import status_docs
@@ -46,142 +44,11 @@ def no_wrong_token_delay(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(admin, "WRONG_TOKEN_DELAY_S", 0.0)
 
 
-def sample_status() -> dict[str, Any]:
-    """A status document shaped like the daemon's: one group, three jobs, two GPUs."""
-    return {
-        "node": "node-7",
-        "version": "0.1.0",
-        "pid": 1234,
-        "backend": "sim",
-        "parking": {"default": "sim", "why": "--backend", "device_source": "sim", "methods": {"sim": "available"}},
-        "addresses": ["/tmp/x.sock"],
-        "uptime_s": 75.0,
-        "connections": 3,
-        "counters": status_docs.counters(accepted=3),
-        "devices": [
-            {
-                "index": 0,
-                "capacity": 64 * MiB,
-                "used": 40 * MiB,
-                "jobs": {
-                    "rl-math": {"bytes": 40 * MiB, "location": "parked"},
-                    "sft-chat": {"bytes": 40 * MiB, "location": "resident"},
-                },
-            },
-            {"index": 1, "capacity": 64 * MiB, "used": 0, "jobs": {}},
-        ],
-        "groups": [
-            {
-                "group": "pool",
-                "gpus": [0, 1],
-                "state": "locked",
-                "holder": "sft-chat",
-                "held_s": 12.5,
-                "fence": 7,
-                "queue": [
-                    status_docs.place("rl-math", 3.25, preempted=True),
-                    status_docs.place("rl-code", 1.5, 2, kept_for_s=12.0),
-                ],
-                "frozen": None,
-                "max_slice_s": 300.0,
-                "slice_action": "preempt",
-                "overdue_s": 4.0,
-                "preemptions": 2,
-                "switching_to": None,
-                "grants": 7,
-                "switches": 4,
-                "bytes_moved": 160 * MiB,
-                "median_switch_s": 0.42,
-                "p95_switch_s": 0.9,
-                "median_wait_s": 2.0,
-                "lock_duty": 0.87,
-                "draining": False,
-                "deferred": 0,
-            }
-        ],
-        "jobs": [
-            {
-                "job": "rl-math",
-                "group": "pool",
-                "location": "parked",
-                "faulted": None,
-                "sessions": 1,
-                "pids": [5001],
-                "footprint": {"0": 40 * MiB},
-                "slices": 3,
-                "restores": 2,
-                "snapshots": 3,
-                "gpu_seconds": 33.0,
-                "bytes_moved": 200 * MiB,
-                "median_wait_s": 1.25,
-                "park": "sim",
-                "measured": {"0": 41 * MiB},
-            },
-            {
-                "job": "sft-chat",
-                "group": "pool",
-                "location": "resident",
-                "faulted": None,
-                "sessions": 1,
-                "pids": [5002],
-                "footprint": {"0": 40 * MiB},
-                "slices": 4,
-                "restores": 1,
-                "snapshots": 1,
-                "gpu_seconds": 40.0,
-                "bytes_moved": 80 * MiB,
-                "median_wait_s": 0.5,
-                "park": "cuda-checkpoint",
-                "measured": {},
-            },
-            {
-                "job": "rl-code",
-                "group": "pool",
-                "location": "resident",
-                "faulted": "restore failed: out of memory",
-                "sessions": 2,
-                "pids": [],
-                "footprint": {},
-                "slices": 0,
-                "restores": 0,
-                "snapshots": 0,
-                "gpu_seconds": 0.0,
-                "bytes_moved": 0,
-                "median_wait_s": None,
-                "park": "sim",
-                "measured": {},
-            },
-        ],
-        "cluster": status_docs.cluster("node-7"),
-        "telemetry": status_docs.telemetry(
-            status_docs.gpu(
-                0,
-                total=64 * MiB,
-                used=48 * MiB,
-                duty_now=0.93,
-                duty_window=0.61,
-                processes={"5002": 40 * MiB, "5001": 0},
-            ),
-            status_docs.gpu(1, total=64 * MiB, used=0, duty_now=0.0, duty_window=0.0),
-        ),
-        "moves": {
-            "recent": [
-                status_docs.move("rl-math", "snapshot", 40 * MiB, 0.05, NOW),
-                status_docs.move("sft-chat", "restore", 40 * MiB, 0.08, NOW),
-            ],
-            "jobs": {
-                "rl-math": status_docs.job_moves(5, 3, 2, 200 * MiB, 0.25),
-                "sft-chat": status_docs.job_moves(2, 1, 1, 80 * MiB, 0.15),
-            },
-        },
-    }
-
-
 class FakeSource:
     """A DashboardSource that holds its answers and records the admin calls."""
 
     def __init__(self) -> None:
-        self.doc = sample_status()
+        self.doc = status_docs.dashboard_status()
         self.spans: list[dict[str, Any]] = [
             {"group": "pool", "job": "rl-math", "kind": "held", "start": NOW - 900, "end": NOW - 700},
             {"group": "pool", "job": "rl-math", "kind": "held", "start": NOW - 300, "end": NOW - 100},
@@ -486,7 +353,7 @@ def test_names_with_odd_characters_link_and_resolve() -> None:
 
 def test_api_shapes() -> None:
     async def body(client: Any, source: FakeSource) -> None:
-        assert await get_json(client, "/api/v1/status") == sample_status()
+        assert await get_json(client, "/api/v1/status") == status_docs.dashboard_status()
         nodes = await get_json(client, "/api/v1/nodes")
         assert len(nodes) == 1 and nodes[0]["node"] == "node-7" and nodes[0]["gpus"] == 2
         assert "groups" not in nodes[0] and nodes[0]["backend"] == "sim"
@@ -728,7 +595,7 @@ def test_stream_sends_status_events_and_timeline_then_ends_at_shutdown() -> None
             assert hello["event"] == "hello"
             assert hello["data"] == {"interval_s": 0.05, "after": 3, "timeline_window_s": 600.0}
             status = await read_event(response)
-            assert status["event"] == "status" and status["data"] == sample_status()
+            assert status["event"] == "status" and status["data"] == status_docs.dashboard_status()
             timeline = await read_event(response)
             assert timeline["event"] == "timeline" and timeline["data"]["full"] is True
             assert len(timeline["data"]["spans"]) == 3
@@ -952,61 +819,4 @@ def test_a_raising_source_gives_500_and_the_next_request_works(caplog: pytest.Lo
     assert any("kaput" in (r.exc_text or "") or r.exc_info for r in caplog.records if r.levelno >= logging.ERROR)
 
 
-def test_make_app_refuses_bad_settings() -> None:
-    with pytest.raises(ValueError, match="admin_token"):
-        make_app(FakeSource(), admin_token="")
-    with pytest.raises(ValueError, match="sse_interval"):
-        make_app(FakeSource(), admin_token=None, sse_interval=0)
-    with pytest.raises(ValueError, match="max_streams"):
-        make_app(FakeSource(), admin_token=None, max_streams=0)
-
-
 # --- pure helpers -----------------------------------------------------------------------------
-
-
-def test_job_colours_are_stable_and_differ() -> None:
-    assert job_color("sft-chat") == job_color("sft-chat")
-    assert re.fullmatch(r"hsl\(\d{1,3}, 62%, (40|48|56)%\)", job_color("rl-math"))
-    assert len({job_color(f"job-{i}") for i in range(20)}) > 15
-    assert job_color("") == "hsl(61, 62%, 48%)"  # FNV-1a offset basis: pinned, the browser computes the same
-
-
-def test_formatting() -> None:
-    assert [fmt_bytes(n) for n in (None, 0, 1023, 1024, 10 * MiB, 1536 * MiB, 3 << 40)] == [
-        "—",
-        "0 B",
-        "1023 B",
-        "1.00 KiB",
-        "10.0 MiB",
-        "1.50 GiB",
-        "3.00 TiB",
-    ]
-    assert [fmt_duration(s) for s in (None, 0.0004, 0.0123, 0.5, 12.25, 61, 7322)] == [
-        "—",
-        "0.4 ms",
-        "12 ms",
-        "500 ms",
-        "12.3 s",
-        "1 min 01 s",
-        "2 h 02 min",
-    ]
-
-
-def test_timeline_delta_keeps_open_and_recently_ended_spans() -> None:
-    timeline = {
-        "now": 1000.0,
-        "window_s": 3600.0,
-        "groups": [{"group": "g", "gpus": [0]}],
-        "spans": [
-            {"group": "g", "job": "a", "kind": "held", "start": 100.0, "end": 200.0},
-            {"group": "g", "job": "b", "kind": "held", "start": 800.0, "end": 995.0},
-            {"group": "g", "job": "c", "kind": "switching", "start": 995.0, "end": 996.0},
-            {"group": "g", "job": "c", "kind": "held", "start": 996.0, "end": None},
-        ],
-    }
-    full = timeline_delta(timeline, 600.0, None)
-    assert full["full"] is True and [s["job"] for s in full["spans"]] == ["b", "c", "c"]
-    delta = timeline_delta(timeline, 600.0, 998.0)
-    assert delta["full"] is False and [(s["job"], s["kind"]) for s in delta["spans"]] == [("c", "held")]
-    delta = timeline_delta(timeline, 600.0, 996.5)  # within the slack: the switch span comes again
-    assert [(s["job"], s["kind"]) for s in delta["spans"]] == [("c", "switching"), ("c", "held")]
