@@ -34,7 +34,7 @@ print("ok")
 # Every test module that imports the fake, or that needs cuda-python's own types.
 USERS = (
     "tests/unit/test_cuda_checkpoint.py",
-    "tests/unit/test_cuda_driver_fake.py",
+    "tests/integration/test_cuda_driver_fake.py",
     "tests/unit/test_offload_client.py",
     "tests/integration/test_cuda_checkpoint_daemon.py",
 )
