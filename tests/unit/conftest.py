@@ -27,7 +27,7 @@ from timesliced.core.events import (
     SessionClosed,
     SnapshotJob,
 )
-from timesliced.core.scheduler import Scheduler
+from timesliced.core.scheduler import Scheduler, SlicePolicy
 
 E = TypeVar("E", bound=Exception)
 
@@ -35,8 +35,14 @@ E = TypeVar("E", bound=Exception)
 class Harness:
     """Drives one ``Scheduler`` with an explicit clock."""
 
-    def __init__(self, capacities: dict[int, int] | None = None, *, max_waiters: int = 1024) -> None:
-        self.s = Scheduler(capacities or {0: 100}, max_waiters=max_waiters)
+    def __init__(
+        self,
+        capacities: dict[int, int] | None = None,
+        *,
+        max_waiters: int = 1024,
+        policies: dict[str, SlicePolicy] | None = None,
+    ) -> None:
+        self.s = Scheduler(capacities or {0: 100}, max_waiters=max_waiters, policies=policies)
         self.now = 0.0
         self._next_session = 1
         self._next_rid = 1
@@ -56,7 +62,7 @@ class Harness:
             self.s.handle(event, self.now)
         assert self.state() == before, "a raising event changed the scheduler"
         assert self.s.drain() == [], "a raising event emitted effects"
-        self.s._effects = pending
+        self.s._effects.extend(pending)
         self.s.check_invariants()
         return info.value
 
@@ -150,11 +156,16 @@ class Harness:
 
 @pytest.fixture
 def harness() -> Iterator[Callable[..., Harness]]:
-    """A factory: ``harness(capacities, max_waiters=...)``."""
+    """A factory: ``harness(capacities, max_waiters=..., policies=...)``."""
     made: list[Harness] = []
 
-    def make(capacities: dict[int, int] | None = None, *, max_waiters: int = 1024) -> Harness:
-        h = Harness(capacities, max_waiters=max_waiters)
+    def make(
+        capacities: dict[int, int] | None = None,
+        *,
+        max_waiters: int = 1024,
+        policies: dict[str, SlicePolicy] | None = None,
+    ) -> Harness:
+        h = Harness(capacities, max_waiters=max_waiters, policies=policies)
         made.append(h)
         return h
 
@@ -170,14 +181,17 @@ def h(harness: Callable[..., Harness]) -> Harness:
 
 
 def core_state(s: Scheduler, now: float) -> tuple[Any, ...]:
-    """Everything the core knows, as comparable plain data."""
+    """Everything the core knows, as comparable plain data (figures are in the groups and jobs)."""
     return (
         s.describe(now),
         repr(s.groups),
         repr(s.jobs),
         repr(s.sessions),
-        repr(s._moves),
-        repr(s._pending_allocs),
-        sorted(s._deadlines),
-        s._next_op,
+        repr(s.capacities),
+        repr(s.moves.in_flight),
+        repr(s.moves.settled),
+        s.moves.next_op,
+        repr(s.ledger.pending),
+        sorted(s.queues.deadlines),
+        repr(s._frozen),
     )

@@ -292,7 +292,7 @@ class Run:
         gpu = self.rng.choice(gpus if self.rng.random() < 0.9 else list(CAPACITIES))
         nbytes = self.rng.randint(1, 70)
         leaving = sum(j.footprint.get(gpu, 0) for j in self.s.jobs.values() if j.location is Location.PARKING)
-        leaving -= sum(p.nbytes for p in self.s._pending_allocs if p.gpu == gpu)
+        leaving -= sum(p.nbytes for p in self.s.ledger.pending if p.gpu == gpu)
         rid = self.next_rid
         self.next_rid += 1
         expect: type[Exception] | None = None
@@ -304,7 +304,7 @@ class Run:
             expect = errors.NotResident
         elif (
             nbytes > CAPACITIES[gpu] - self.s.used(gpu)
-            and self.s._plan_evictions({gpu: nbytes - leaving}, {job}) is None
+            and self.s.ledger.plan_evictions({gpu: nbytes - leaving}, {job}) is None
         ):
             expect = errors.OutOfMemory  # after parking idle jobs and waiting for those already parking
         exc = self.feed(MemoryRequested(sid, rid, gpu, nbytes), expect)
@@ -476,11 +476,11 @@ class Run:
         for gpu, cap in CAPACITIES.items():
             used = sum(j.footprint.get(gpu, 0) for j in s.jobs.values() if j.location is not Location.PARKED)
             assert used <= cap, f"GPU {gpu} over capacity: {used} > {cap}"
-        assert set(s._moves) == set(self.moves) | set(self.reclaims)
+        assert set(s.moves.in_flight) == set(self.moves) | set(self.reclaims)
         # time only moves together with handle_timers: nothing overdue is left waiting
         for tickets in self.waiting.values():
             assert all(d is None or d > self.now for d in tickets.values()), tickets
-        assert {p.ticket for p in s._pending_allocs} == set(self.allocs)
+        assert {p.ticket for p in s.ledger.pending} == set(self.allocs)
 
     # --- the end ----------------------------------------------------------------------
 
@@ -512,7 +512,7 @@ class Run:
             if group.queue and group.holder is None:
                 head = self.s.jobs[group.queue[0].job]
                 assert head.location in (Location.PARKED, Location.RESIDENT), head
-                assert self.s._plan_switch(head) is None, f"{group.name} is stuck"
+                assert self.s.ledger.plan_room(head) is None, f"{group.name} is stuck"
         for job in [j.name for j in self.s.jobs.values() if j.faulted and not j.exiting]:
             self.feed(JobExited(job))
             self.absorb(self.s.drain())
