@@ -1,6 +1,6 @@
 """Snapshots, restores and reclaims in flight, and the one place a job's location changes (pure).
 
-Every change of ``Job.location`` is ``Moves._relocate``: it asks ``location.moved`` for the new
+Every change of ``Job.location`` is ``Moves.relocate``: it asks ``location.moved`` for the new
 location, which raises ``IllegalTransition`` before anything changes when the table does not
 allow it.
 """
@@ -45,7 +45,7 @@ class Moves:
 
         Raises ``IllegalTransition`` (a bug in the caller) before anything changes.
         """
-        self._relocate(job, Cause.SNAPSHOT_STARTED if kind == "snapshot" else Cause.RESTORE_STARTED)
+        self.relocate(job, Cause.SNAPSHOT_STARTED if kind == "snapshot" else Cause.RESTORE_STARTED)
         op = self._add(job, kind, now)
         self._emit(SnapshotJob(op, job.name) if kind == "snapshot" else RestoreJob(op, job.name))
         return op
@@ -81,13 +81,11 @@ class Moves:
             # The backend keeps a failed restore parked and gives its pages back, unless
             # nobody knows (a node did not answer): then the memory counts as taken.
             cause = Cause.RESTORE_UNKNOWN if ev.kept_memory else Cause.RESTORE_FAILED
-        self._relocate(job, cause)
+        self.relocate(job, cause)
         journal = self._journal
-        journal.keep_key(self.in_flight, ev.op)
-        del self.in_flight[ev.op]
+        journal.delete(self.in_flight, ev.op)
         if ev.op in self.settled:
-            journal.keep_key(self.settled, ev.op)
-            settled = self.settled.pop(ev.op)
+            settled = journal.delete(self.settled, ev.op)
             if cause is Cause.SNAPSHOT_DONE:
                 journal.fields(job, FOOTPRINT)
                 job.footprint = {gpu: n for gpu, n in settled.items() if n}
@@ -98,8 +96,7 @@ class Moves:
         move = self.in_flight.get(op)
         if move is None or move.kind != "reclaim":
             raise ValueError(f"no reclaim with op {op}")
-        self._journal.keep_key(self.in_flight, op)
-        del self.in_flight[op]
+        self._journal.delete(self.in_flight, op)
         return move
 
     def leaving(self, gpu: int) -> dict[int, int]:
@@ -116,8 +113,11 @@ class Moves:
         self.in_flight[op] = Move(op, job.name, kind, now)
         return op
 
-    def _relocate(self, job: Job, cause: Cause) -> Location:
-        """The one assignment of a job's location: through the table, which raises first."""
+    def relocate(self, job: Job, cause: Cause) -> Location:
+        """Change ``job``'s location for ``cause``: the one assignment of a location there is.
+
+        Raises ``IllegalTransition`` before anything changes when the table does not allow it.
+        """
         location = moved(job.location, cause)
         self._journal.fields(job, LOCATION)
         job.location = location

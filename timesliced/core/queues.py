@@ -91,14 +91,15 @@ class LockQueues:
         waiter.kept_until = None
         waiter.tickets[ticket] = deadline
         if deadline is not None:
-            entry = (deadline, ticket)
-            heapq.heappush(self.deadlines, entry)
-            journal.pushed(self.deadlines, entry)
+            journal.push(self.deadlines, (deadline, ticket))
 
     def requeue(self, group: Group, job: str, sessions: Iterable[SessionId], now: float) -> None:
-        """A preempted holder waits again at the tail, with a request (``AUTO``) on each of its sessions."""
+        """A preempted holder waits again at the tail, with a request (``AUTO``) on each of its sessions.
+
+        In session order: nothing the scheduler puts out may depend on the order of a set.
+        """
         self._journal.keep_list(group.queue)
-        group.queue.append(Waiter(job, now, {(s, AUTO): None for s in sessions}))
+        group.queue.append(Waiter(job, now, {(s, AUTO): None for s in sorted(sessions)}))
 
     def keep_turn(self, group: Group, job: str, until: float, now: float) -> None:
         """A place for ``job`` without requests, kept until ``until``."""
@@ -163,9 +164,7 @@ class LockQueues:
         """Fail every request whose deadline is at or before ``now``; drop the kept turns that lapsed."""
         heap, journal = self.deadlines, self._journal
         while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
-            journal.popped(heap, entry)
-            _, ticket = entry
+            _, ticket = journal.pop(heap)
             found = self._waiting(ticket)
             deadline = found[1].tickets.get(ticket) if found else None
             if found is None or deadline is None or deadline > now:

@@ -104,9 +104,8 @@ class Registry:
         if name is None:
             return None
         job = self.jobs[name]
-        self._journal.keep_key(self.sessions, session)
+        self._journal.delete(self.sessions, session)
         self._journal.keep_set(job.sessions)
-        del self.sessions[session]
         job.sessions.discard(session)
         return job
 
@@ -115,21 +114,16 @@ class Registry:
         job = self.jobs[name]
         group = self.groups[job.group]
         journal = self._journal
-        journal.keep_key(self.jobs, name)
-        for s in job.sessions:
-            journal.keep_key(self.sessions, s)
         if group.last_holder == name:
             journal.fields(group, LAST_HOLDER)
             group.last_holder = None
-        del self.jobs[name]
+        journal.delete(self.jobs, name)
         for s in job.sessions:
-            self.sessions.pop(s, None)
+            if s in self.sessions:
+                journal.delete(self.sessions, s)
 
     def forget_group(self, name: str) -> Group:
         """Raises ``ValueError`` while the group has jobs."""
         if any(j.group == name for j in self.jobs.values()):
             raise ValueError(f"group {name!r} still has jobs")
-        group = self.groups[name]
-        self._journal.keep_key(self.groups, name)
-        del self.groups[name]
-        return group
+        return self._journal.delete(self.groups, name)

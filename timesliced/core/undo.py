@@ -5,9 +5,11 @@ scheduler is far larger. So each write is preceded by a note of what it is about
 a step that raises (a refused input, or a bug) is rolled back from those notes, newest first:
 apply, then commit or roll back. A step that completes commits, which forgets the notes.
 
-The notes are cheap by design, since a step runs on every lock request: the old values of a
-few named fields, a shallow copy of a small container (a queue, a set of sessions), the old
-value under one key of a large one, or an inverse written by hand (a heap entry taken out).
+Each note is taken before its write, and its undo is right whether the write happened or not
+(a step may fail between the two). The notes are cheap by design, since a step runs on every
+lock request: the old values of a few named fields, a shallow copy of a small container (a
+queue, a set of sessions), the old value under one key of a large one, or a heap entry to take
+out or put back.
 
 Figures and effects need no notes: figures are counted at commit (``figures.Figures``) and the
 scheduler cuts its effect buffer back to where the step began.
@@ -18,11 +20,18 @@ from __future__ import annotations
 import heapq
 import operator
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
 T = TypeVar("T")
+
+
+class _Ordered(Protocol):
+    def __lt__(self, other: Any, /) -> bool: ...
+
+
+Entry = TypeVar("Entry", bound=_Ordered)
 
 _MISSING = object()
 
@@ -65,16 +74,30 @@ class Journal:
         self._notes.append((_refill_dict, (items, items.copy())))
 
     def keep_key(self, items: dict[K, V], key: K) -> None:
-        """What ``items`` holds under ``key`` (or that it holds nothing) is about to change."""
+        """``key`` is about to be added to ``items``, or its value replaced (for a key that goes: ``delete``)."""
         self._notes.append((_put_back, (items, key, items.get(key, _MISSING))))
 
-    def pushed(self, heap: list[T], entry: T) -> None:
-        """``entry`` was just pushed on ``heap``."""
-        self._notes.append((_unpush, (heap, entry)))
+    def delete(self, items: dict[K, V], key: K) -> V:
+        """Take ``key`` out of ``items``; returns its value. Undone, the key is back in its place.
 
-    def popped(self, heap: list[T], entry: T) -> None:
-        """``entry`` was just popped off ``heap``."""
-        self._notes.append((heapq.heappush, (heap, entry)))
+        The order of a dict can matter (jobs and groups are visited in it): a key put back
+        would go last, so unless it is the last already the whole dict is noted.
+        """
+        if next(reversed(items)) == key:
+            self._notes.append((_put_back, (items, key, items[key])))
+        else:
+            self._notes.append((_refill_dict, (items, items.copy())))
+        return items.pop(key)
+
+    def push(self, heap: list[Entry], entry: Entry) -> None:
+        """Push ``entry`` on ``heap`` (noted first, as every write)."""
+        self._notes.append((_unpush, (heap, entry, len(heap))))
+        heapq.heappush(heap, entry)
+
+    def pop(self, heap: list[Entry]) -> Entry:
+        """Pop the least entry off ``heap``."""
+        self._notes.append((_unpop, (heap, heap[0], len(heap))))
+        return heapq.heappop(heap)
 
     def rollback(self) -> None:
         """Put back everything noted, newest first (plain assignments: nothing here can fail)."""
@@ -111,6 +134,12 @@ def _put_back(items: dict[Any, Any], key: Any, old: Any) -> None:
         items[key] = old
 
 
-def _unpush(heap: list[Any], entry: Any) -> None:
-    heap.remove(entry)  # on a rollback only: O(n) there keeps the push O(log n)
-    heapq.heapify(heap)
+def _unpush(heap: list[Any], entry: Any, size: int) -> None:
+    if len(heap) > size:  # pushed (equal entries are alike: which one goes does not matter)
+        heap.remove(entry)  # on a rollback only: O(n) there keeps the push O(log n)
+        heapq.heapify(heap)
+
+
+def _unpop(heap: list[Any], entry: Any, size: int) -> None:
+    if len(heap) < size:
+        heapq.heappush(heap, entry)
