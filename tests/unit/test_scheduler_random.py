@@ -14,7 +14,8 @@ answered) and, after every step, the core must agree with it:
   loses the lock and is queued again at the tail (its automatic request);
 - the core's queues and holders equal the model's;
 - no GPU is ever over capacity;
-- an input that raises changes nothing and emits nothing.
+- an input that raises changes nothing and emits nothing, and so does an input
+  during which any call inside the core raises (a bug; ``FaultyRun``).
 
 At the end the run is quiesced (every move finishes, holders yield, faulted
 jobs exit): every queue must drain, so no group can get stuck.
@@ -60,7 +61,7 @@ from timesliced.core.events import (
 from timesliced.core.location import Location
 from timesliced.core.scheduler import AUTO, Scheduler, SlicePolicy
 
-from .conftest import core_state
+from .conftest import Fault, Faults, core_state
 
 CAPACITIES = {0: 100, 1: 100, 2: 100}
 GROUPS = {"g0": (0, 1), "g1": (1, 2), "g2": (0,)}  # g0 shares GPU 0 with g2 and GPU 1 with g1
@@ -531,6 +532,47 @@ class Run:
         assert not any(self.queues.values()), f"queues never drained: {self.queues}"
 
 
+class FaultyRun(Run):
+    """A run in which some inputs first fail at a random call inside the core, then go in for real."""
+
+    def __init__(self, rng: random.Random, faults: Faults) -> None:
+        super().__init__(rng)
+        self.faults = faults
+        self.injected = 0
+
+    def attempt(self, step: Any) -> tuple[bool, Any]:
+        """Try ``step`` with a fault armed: (True, its result) if it completed before the fault came."""
+        before, pending = self.snapshot_state(), list(self.s._effects)
+        self.faults.arm(self.rng.randint(1, 30))
+        try:
+            result = step()
+        except Fault:
+            self.injected += 1
+            assert self.snapshot_state() == before, f"a fault ({self.faults.where}) changed the scheduler"
+            assert self.s._effects == pending, f"a fault ({self.faults.where}) left effects"
+            self.s.check_invariants()
+            return False, None
+        except (errors.TimeslicedError, ValueError):
+            return False, None  # refused before the fault came: it changed nothing (checked when fed again)
+        finally:
+            self.faults.arm(None)
+        return True, result
+
+    def feed(self, event: Event, expect: type[Exception] | None = None) -> Any:
+        if self.rng.random() < 0.5:
+            done, result = self.attempt(lambda: self.s.handle(event, self.now))
+            if done:
+                assert expect is None, f"{event} should have raised {expect.__name__}"
+                return result
+        return super().feed(event, expect)
+
+    def tick(self) -> None:
+        self.now += self.rng.uniform(0.0, 1.5)
+        if not self.attempt(lambda: self.s.handle_timers(self.now))[0]:
+            self.s.handle_timers(self.now)
+        self.timers_ran = True
+
+
 def run(rng: random.Random, steps: int) -> Run:
     r = Run(rng)
     for _ in range(steps):
@@ -555,3 +597,12 @@ def test_random_workloads(rng: random.Random, steps: int) -> None:
 def test_long_seeded_runs(seed: int) -> None:
     r = run(random.Random(seed), 2500)
     assert r.grants > 50  # the run did real work
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_faults_at_random_calls_change_nothing(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = FaultyRun(random.Random(seed), Faults(monkeypatch))
+    for _ in range(3000):
+        r.step()
+    r.settle()
+    assert r.injected > 200 and r.grants > 50  # faults hit, and the run did real work all the same
