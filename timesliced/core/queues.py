@@ -195,6 +195,8 @@ class LockQueues:
 
     def kept_deadline(self, group: Group) -> float | None:
         """When the first of the group's kept turns lapses."""
+        if not group.queue:
+            return None
         return min((w.kept_until for w in group.queue if not w.tickets and w.kept_until is not None), default=None)
 
     def _waiting(self, ticket: Ticket) -> tuple[Group, Waiter] | None:

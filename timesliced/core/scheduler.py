@@ -195,9 +195,11 @@ class Scheduler:
     def _group_deadline(self, g: Group) -> float | None:
         """When the group's holder is due a warning or a preemption, or a kept turn lapses."""
         kept = self.queues.kept_deadline(g)
-        policy = self.slices.policy(g.name)
+        policy = self.slices.policy(g.name) if g.holder is not None else None
         due = policy.due(g) if policy is not None and self.queues.others_wait(g) else None
-        return min((t for t in (kept, due) if t is not None), default=None)
+        if kept is None or due is None:
+            return due if kept is None else kept
+        return min(kept, due)
 
     # --- queries ---------------------------------------------------------------------
 

@@ -79,4 +79,5 @@ class SlicePolicies:
         self.policies = policies
 
     def policy(self, group: str) -> SlicePolicy | None:
-        return self.policies.get(group, self.policies.get("*"))
+        policies = self.policies
+        return (policies.get(group) or policies.get("*")) if policies else None

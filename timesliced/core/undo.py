@@ -39,12 +39,13 @@ _MISSING = object()
 class Fields:
     """Names of fields that steps write together, read in one call."""
 
-    __slots__ = ("names", "read")
+    __slots__ = ("names", "read", "undo")
 
     def __init__(self, name: str, *more: str) -> None:
         self.names = (name, *more)
         get = operator.attrgetter(*self.names)
         self.read: Callable[[object], tuple[Any, ...]] = get if more else (lambda obj: (get(obj),))
+        self.undo = self.restore  # bound once: a note is taken on every grant
 
     def restore(self, obj: object, values: tuple[Any, ...]) -> None:
         for name, value in zip(self.names, values, strict=True):
@@ -61,7 +62,7 @@ class Journal:
 
     def fields(self, obj: object, fields: Fields) -> None:
         """``fields`` of ``obj`` are about to be assigned (a container assigned anew counts as a field)."""
-        self._notes.append((fields.restore, (obj, fields.read(obj))))
+        self._notes.append((fields.undo, (obj, fields.read(obj))))
 
     def keep_list(self, items: list[T]) -> None:
         """``items`` is about to change in place."""
