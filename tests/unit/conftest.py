@@ -2,15 +2,21 @@
 
 Every input goes through ``Harness``, which checks the core's invariants after
 each step and, for an input that must fail, that nothing changed at all.
+``Faults`` makes any call inside the core raise, to show that a step that fails
+half-way changes nothing either.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
 
+from timesliced.core import moves as moves_module
+from timesliced.core.arbiter import Arbiter
 from timesliced.core.events import (
     AcquireRequested,
     AcquireWithdrawn,
@@ -27,7 +33,15 @@ from timesliced.core.events import (
     SessionClosed,
     SnapshotJob,
 )
-from timesliced.core.scheduler import Scheduler
+from timesliced.core.figures import Figures
+from timesliced.core.ledger import MemoryLedger
+from timesliced.core.location import Location
+from timesliced.core.moves import Moves
+from timesliced.core.queues import LockQueues
+from timesliced.core.registry import Registry
+from timesliced.core.scheduler import Scheduler, SlicePolicy
+from timesliced.core.slices import SlicePolicies
+from timesliced.core.undo import Journal
 
 E = TypeVar("E", bound=Exception)
 
@@ -35,8 +49,14 @@ E = TypeVar("E", bound=Exception)
 class Harness:
     """Drives one ``Scheduler`` with an explicit clock."""
 
-    def __init__(self, capacities: dict[int, int] | None = None, *, max_waiters: int = 1024) -> None:
-        self.s = Scheduler(capacities or {0: 100}, max_waiters=max_waiters)
+    def __init__(
+        self,
+        capacities: dict[int, int] | None = None,
+        *,
+        max_waiters: int = 1024,
+        policies: dict[str, SlicePolicy] | None = None,
+    ) -> None:
+        self.s = Scheduler(capacities or {0: 100}, max_waiters=max_waiters, policies=policies)
         self.now = 0.0
         self._next_session = 1
         self._next_rid = 1
@@ -56,7 +76,7 @@ class Harness:
             self.s.handle(event, self.now)
         assert self.state() == before, "a raising event changed the scheduler"
         assert self.s.drain() == [], "a raising event emitted effects"
-        self.s._effects = pending
+        self.s._effects.extend(pending)
         self.s.check_invariants()
         return info.value
 
@@ -150,11 +170,16 @@ class Harness:
 
 @pytest.fixture
 def harness() -> Iterator[Callable[..., Harness]]:
-    """A factory: ``harness(capacities, max_waiters=...)``."""
+    """A factory: ``harness(capacities, max_waiters=..., policies=...)``."""
     made: list[Harness] = []
 
-    def make(capacities: dict[int, int] | None = None, *, max_waiters: int = 1024) -> Harness:
-        h = Harness(capacities, max_waiters=max_waiters)
+    def make(
+        capacities: dict[int, int] | None = None,
+        *,
+        max_waiters: int = 1024,
+        policies: dict[str, SlicePolicy] | None = None,
+    ) -> Harness:
+        h = Harness(capacities, max_waiters=max_waiters, policies=policies)
         made.append(h)
         return h
 
@@ -170,14 +195,77 @@ def h(harness: Callable[..., Harness]) -> Harness:
 
 
 def core_state(s: Scheduler, now: float) -> tuple[Any, ...]:
-    """Everything the core knows, as comparable plain data."""
+    """Everything the core knows, as comparable plain data (figures are in the groups and jobs)."""
     return (
         s.describe(now),
-        repr(s.groups),
-        repr(s.jobs),
-        repr(s.sessions),
-        repr(s._moves),
-        repr(s._pending_allocs),
-        sorted(s._deadlines),
-        s._next_op,
+        plain(s.groups),
+        plain(s.jobs),
+        plain(s.sessions),
+        plain(s.capacities),
+        plain(s.moves.in_flight),
+        plain(s.moves.settled),
+        s.moves.next_op,
+        plain(s.ledger.pending),
+        sorted(s.queues.deadlines),  # a heap: its order is its own
+        plain(s._frozen),
     )
+
+
+def plain(value: Any) -> Any:
+    """``value`` as nested tuples, in the order of its lists and dicts, sets as sets.
+
+    The order of a dict can matter (the scheduler visits jobs and groups in it); the order of a
+    set never does, nor does anything the scheduler puts out depend on it.
+    """
+    kind = type(value)
+    if kind in SCALARS:
+        return value
+    if kind is dict:
+        return ("dict", *((k, plain(v)) for k, v in value.items()))
+    if kind in (list, tuple, deque):
+        return (kind.__name__, *(plain(v) for v in value))
+    if kind is set:
+        return frozenset(value)
+    assert dataclasses.is_dataclass(value), value
+    return (kind.__name__, *(plain(v) for v in vars(value).values()))  # a dataclass: its fields in order
+
+
+SCALARS = {int, float, str, bool, type(None), frozenset, Location}
+
+
+class Fault(Exception):
+    """An exception from inside the core, of a kind nothing there expects: a bug."""
+
+
+# Every method of every concern of the scheduler, the journal's notes and the location table:
+# all but what takes a step back or commits it.
+FAULTY = (Registry, LockQueues, MemoryLedger, Moves, Arbiter, Figures, SlicePolicies, SlicePolicy, Journal)
+NOT_FAULTY = {"rollback", "commit", "discard"}
+
+
+class Faults:
+    """Wraps the core's functions; once ``arm(n)`` is called, the ``n``-th call after it raises ``Fault``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        self.at: int | None = None
+        self.where = ""
+        for cls in FAULTY:
+            for name, fn in list(vars(cls).items()):
+                if callable(fn) and not name.startswith("__") and name not in NOT_FAULTY:
+                    monkeypatch.setattr(cls, name, self._wrap(f"{cls.__name__}.{name}", fn))
+        monkeypatch.setattr(moves_module, "moved", self._wrap("location.moved", moves_module.moved))
+
+    def _wrap(self, where: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def faulty(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.calls == self.at:
+                self.at, self.where = None, where
+                raise Fault(f"injected into call {self.calls} ({where})")
+            return fn(*args, **kwargs)
+
+        return faulty
+
+    def arm(self, at: int | None) -> None:
+        """Raise at the ``at``-th call from now (None: never); counts from zero again."""
+        self.calls, self.at, self.where = 0, at, ""

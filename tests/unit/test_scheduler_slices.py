@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from timesliced.core.events import GrantLock, NotifyJob, RestoreJob, SnapshotJob
@@ -24,16 +26,16 @@ def test_policy_is_checked() -> None:
         SlicePolicy(5, "kill")
 
 
-def test_a_holder_alone_is_never_warned(h: Harness) -> None:
-    h.s.policies = {"*": SlicePolicy(5.0, "preempt", grace=1.0)}
+def test_a_holder_alone_is_never_warned(harness: Callable[..., Harness]) -> None:
+    h = harness(policies={"*": SlicePolicy(5.0, "preempt", grace=1.0)})
     holding(h, "A", 10)
     assert h.s.next_deadline() is None
     h.timers(100.0)
     assert h.drain() == [] and h.holder() == "A"
 
 
-def test_warn_once_when_others_wait_past_the_slice(h: Harness) -> None:
-    h.s.policies = {"g": SlicePolicy(5.0)}
+def test_warn_once_when_others_wait_past_the_slice(harness: Callable[..., Harness]) -> None:
+    h = harness(policies={"g": SlicePolicy(5.0)})
     holding(h, "A", 10)
     h.advance(2.0)
     waiting(h, "B")
@@ -49,16 +51,16 @@ def test_warn_once_when_others_wait_past_the_slice(h: Harness) -> None:
     assert group["overdue_s"] == 45.0 and group["max_slice_s"] == 5.0 and group["slice_action"] == "warn"
 
 
-def test_a_waiter_that_comes_late_is_warned_for_at_once(h: Harness) -> None:
-    h.s.policies = {"*": SlicePolicy(5.0)}
+def test_a_waiter_that_comes_late_is_warned_for_at_once(harness: Callable[..., Harness]) -> None:
+    h = harness(policies={"*": SlicePolicy(5.0)})
     holding(h, "A")
     h.advance(30.0)
     waiting(h, "B")
     assert [n.event for n in only(h.drain(), NotifyJob)] == ["slice_overdue"]
 
 
-def test_preempt_parks_the_holder_grants_the_next_and_queues_it_again(h: Harness) -> None:
-    h.s.policies = {"*": SlicePolicy(5.0, "preempt", grace=2.0)}
+def test_preempt_parks_the_holder_grants_the_next_and_queues_it_again(harness: Callable[..., Harness]) -> None:
+    h = harness(policies={"*": SlicePolicy(5.0, "preempt", grace=2.0)})
     a = holding(h, "A", 60)
     b = waiting(h, "B")
     h.timers(5.0)
@@ -85,8 +87,8 @@ def test_preempt_parks_the_holder_grants_the_next_and_queues_it_again(h: Harness
     assert h.holder() is None
 
 
-def test_a_holder_that_yields_within_the_grace_is_not_preempted(h: Harness) -> None:
-    h.s.policies = {"*": SlicePolicy(5.0, "preempt", grace=2.0)}
+def test_a_holder_that_yields_within_the_grace_is_not_preempted(harness: Callable[..., Harness]) -> None:
+    h = harness(policies={"*": SlicePolicy(5.0, "preempt", grace=2.0)})
     a = holding(h, "A")
     waiting(h, "B")
     h.timers(6.0)
@@ -96,8 +98,8 @@ def test_a_holder_that_yields_within_the_grace_is_not_preempted(h: Harness) -> N
     assert h.s.groups["g"].preemptions == 0 and h.drain() == []
 
 
-def test_release_while_preempted_gives_up_the_turn(h: Harness) -> None:
-    h.s.policies = {"*": SlicePolicy(1.0, "preempt", grace=0.0)}
+def test_release_while_preempted_gives_up_the_turn(harness: Callable[..., Harness]) -> None:
+    h = harness(policies={"*": SlicePolicy(1.0, "preempt", grace=0.0)})
     a = holding(h, "A")
     waiting(h, "B")
     h.timers(1.0)
@@ -107,8 +109,8 @@ def test_release_while_preempted_gives_up_the_turn(h: Harness) -> None:
     assert h.s.groups["g"].queue == []
 
 
-def test_preempted_job_that_asks_again_waits_on_the_same_place(h: Harness) -> None:
-    h.s.policies = {"*": SlicePolicy(1.0, "preempt", grace=0.0)}
+def test_preempted_job_that_asks_again_waits_on_the_same_place(harness: Callable[..., Harness]) -> None:
+    h = harness(policies={"*": SlicePolicy(1.0, "preempt", grace=0.0)})
     a = holding(h, "A")
     b = waiting(h, "B")
     h.timers(1.0)

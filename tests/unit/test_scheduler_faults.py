@@ -1,0 +1,239 @@
+"""A step of the scheduler that fails half-way, of a bug, changes nothing.
+
+Each scenario builds a scheduler, then one step that does a lot: an event whose handler writes,
+and the grants and switches that follow. The step is run once to count the calls it makes into
+the core's concerns (``conftest.Faults``); then, for every one of those calls in turn, a fresh
+scheduler runs the same step with that call raising. The scheduler must come out as it went in
+(groups, jobs, sessions, moves, pending allocations, deadlines, figures, effects), keep its
+invariants, and run the step again as if nothing had happened. (One scenario is a call of the
+rebuilding API, which runs as a step too.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from timesliced.core.events import (
+    AcquireRequested,
+    JobExited,
+    MemoryRequested,
+    MoveFinished,
+    ReleaseRequested,
+    RestoreJob,
+    SessionClosed,
+    SnapshotJob,
+)
+from timesliced.core.scheduler import SlicePolicy
+from timesliced.core.undo import Fields, Journal
+
+from .conftest import Fault, Faults, Harness
+from .test_scheduler import holding, only, two_jobs_one_parked
+
+Step = Callable[[Harness], Any]
+
+
+def acquire_granted_at_once(h: Harness) -> Step:
+    a = h.register("A")
+    return lambda h: h.s.handle(AcquireRequested(a, 1, 5.0), h.now)
+
+
+def acquire_that_parks_the_idle_holder(h: Harness) -> Step:
+    a, b = two_jobs_one_parked(h)  # B holds 60, A is parked with 60
+    h.release(b)
+    h.drain()
+    return lambda h: h.s.handle(AcquireRequested(a, 99, 10.0), h.now)  # A needs B's 60: B is parked
+
+
+def release_to_a_parked_waiter(h: Harness) -> Step:
+    a, b = two_jobs_one_parked(h)
+    h.acquire(a)
+    h.drain()
+    return lambda h: h.s.handle(ReleaseRequested(b), h.now)  # yields, then parks B for A
+
+
+def memory_request_that_parks_idle_jobs(h: Harness) -> Step:
+    a = holding(h, "A", 30)
+    h.release(a)
+    c = holding(h, "C", 30, group="other")
+    h.release(c)
+    b = holding(h, "B")
+    return lambda h: h.s.handle(MemoryRequested(b, 50, 0, 90), h.now)  # parks A and C, then waits
+
+
+def snapshot_done_so_the_switch_restores(h: Harness) -> Step:
+    a, b = two_jobs_one_parked(h)
+    h.acquire(a)
+    h.drain()
+    h.release(b)
+    (snap,) = only(h.drain(), SnapshotJob)
+    return lambda h: h.s.handle(MoveFinished(snap.op, True, 60, 0.5), h.now)
+
+
+def restore_done_so_the_waiter_is_granted(h: Harness) -> Step:
+    a, b = two_jobs_one_parked(h)
+    h.acquire(a)
+    h.release(b)
+    (snap,) = only(h.drain(), SnapshotJob)
+    h.finish(snap, nbytes=60)
+    (restore,) = only(h.drain(), RestoreJob)
+    h.advance(1.0)
+    return lambda h: h.s.handle(MoveFinished(restore.op, True, 60, 1.0), h.now)
+
+
+def snapshot_failed_so_the_job_is_faulted(h: Harness) -> Step:
+    a, b = two_jobs_one_parked(h)
+    h.acquire(a)
+    h.release(b)
+    (snap,) = only(h.drain(), SnapshotJob)
+    h.acquire(b)  # B waits behind A; its snapshot fails: faulted, its waiters fail
+    return lambda h: h.s.handle(MoveFinished(snap.op, False, 0, 0.1, "the driver said no"), h.now)
+
+
+def snapshot_done_so_a_waiting_allocation_is_made(h: Harness) -> Step:
+    a = holding(h, "A", 60)
+    h.release(a)
+    b = holding(h, "B")
+    h.alloc(b, 60)
+    (snap,) = only(h.drain(), SnapshotJob)
+    return lambda h: h.s.handle(MoveFinished(snap.op, True, 60, 0.5), h.now)
+
+
+def holder_session_closed_with_waiters_and_an_allocation(h: Harness) -> Step:
+    a = holding(h, "A", 60)
+    h.release(a)
+    b = holding(h, "B")
+    h.alloc(b, 60)  # waits for A's snapshot
+    c = h.register("C")
+    h.acquire(c, deadline=50.0)
+    h.drain()
+    return lambda h: h.s.handle(SessionClosed(b), h.now)
+
+
+def holder_exited_with_waiters_and_an_allocation(h: Harness) -> Step:
+    a = holding(h, "A", 60)
+    h.release(a)
+    b = holding(h, "B")
+    h.acquire(h.register("B"))  # a second session of B holds too
+    h.alloc(b, 60)
+    c = h.register("C")
+    h.acquire(c)
+    h.drain()
+    return lambda h: h.s.handle(JobExited("B"), h.now)
+
+
+def timers_expire_an_acquire_and_preempt_the_holder(h: Harness) -> Step:
+    holding(h, "A", 60)
+    b = h.register("B")
+    h.acquire(b, deadline=3.0)
+    c = h.register("C")
+    h.acquire(c)
+    h.drain()
+    return lambda h: h.s.handle_timers(5.0)  # B times out; A is warned, preempted and parked; C is granted
+
+
+def a_new_leader_settles_a_half_parked_job(h: Harness) -> Step:
+    a = holding(h, "A", 40)
+    h.release(a)
+    return lambda h: h.s.settle("A", h.now, {0: 60})  # parked everywhere, it owns its whole footprint
+
+
+SCENARIOS: list[Callable[[Harness], Step]] = [
+    acquire_granted_at_once,
+    acquire_that_parks_the_idle_holder,
+    release_to_a_parked_waiter,
+    memory_request_that_parks_idle_jobs,
+    snapshot_done_so_the_switch_restores,
+    restore_done_so_the_waiter_is_granted,
+    snapshot_failed_so_the_job_is_faulted,
+    snapshot_done_so_a_waiting_allocation_is_made,
+    holder_session_closed_with_waiters_and_an_allocation,
+    holder_exited_with_waiters_and_an_allocation,
+    timers_expire_an_acquire_and_preempt_the_holder,
+    a_new_leader_settles_a_half_parked_job,
+]
+POLICIES = {"*": SlicePolicy(4.0, "preempt", grace=0.0)}
+
+
+def outcome(h: Harness, step: Step, faults: Faults) -> tuple[tuple[Any, ...], int]:
+    """What the step returns, leaves and emits; and how many calls it made."""
+    result = step(h)
+    calls = faults.calls
+    h.s.check_invariants()
+    return (result, h.state(), repr(h.drain())), calls  # repr: errors compare by identity
+
+
+def run_with_faults(
+    harness: Callable[..., Harness], faults: Faults, scenario: Callable[[Harness], Step]
+) -> tuple[list[str], set[str]]:
+    """Fail the scenario's step at each of its calls in turn: what went wrong, and where the faults hit."""
+
+    def build() -> tuple[Harness, Step]:
+        h = harness({0: 100}, policies=POLICIES)
+        step = scenario(h)
+        h.drain()
+        return h, step
+
+    h, step = build()
+    faults.arm(None)
+    expected, calls = outcome(h, step, faults)
+    assert calls >= 10 and expected[2], "the step should do some work"
+    wrong, where = [], set()
+    for at in range(1, calls + 1):
+        h, step = build()
+        before = h.state()
+        faults.arm(at)
+        with pytest.raises(Fault):
+            step(h)
+        fault = f"a fault at call {at} of {calls} ({faults.where})"
+        where.add(faults.where)
+        if h.state() != before:
+            wrong.append(f"{fault} changed the scheduler")
+        elif h.drain():
+            wrong.append(f"{fault} left effects")
+        else:
+            h.s.check_invariants()
+            faults.arm(None)
+            if outcome(h, step, faults)[0] != expected:
+                wrong.append(f"after {fault} the step went otherwise")
+    return wrong, where
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.__name__)
+def test_a_step_that_fails_at_any_call_changes_nothing(
+    harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch, scenario: Callable[[Harness], Step]
+) -> None:
+    wrong, where = run_with_faults(harness, Faults(monkeypatch), scenario)
+    assert not wrong, "\n".join(wrong)
+    # the faults hit several concerns and the journal's own notes, not just one place
+    touched = {w.split(".")[0] for w in where}
+    assert len(touched) >= 3 and "Journal" in touched, touched
+
+
+def test_the_check_sees_a_write_that_was_not_noted(
+    harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check itself can fail: with the holder written unnoted, a fault after the grant shows."""
+    faults = Faults(monkeypatch)
+    noted = Journal.fields
+
+    def forgetful(self: Journal, obj: object, fields: Fields) -> None:
+        if "holder" not in fields.names:
+            noted(self, obj, fields)
+
+    monkeypatch.setattr(Journal, "fields", forgetful)
+    wrong, _ = run_with_faults(harness, faults, acquire_granted_at_once)
+    assert any("changed the scheduler" in w for w in wrong), wrong
+
+
+def test_a_refused_input_still_changes_nothing_with_every_call_wrapped(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from timesliced import errors
+
+    a = holding(h, "A")
+    Faults(monkeypatch).arm(None)
+    h.fails(ReleaseRequested(h.register("B")), errors.NotHolder)
+    h.release(a)

@@ -1,0 +1,204 @@
+"""Who holds each group next, and the switch that must happen first (pure).
+
+After every input the arbiter looks at each group that is not frozen: a holder past its slice
+is warned or preempted; a free group grants the head of its queue at once, or starts a switch
+(park the jobs in its way, then restore it) and grants it when the switch's moves are done. A
+head that cannot be made room for now waits, counted once as deferred.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from .events import Effect, GrantLock, NotifyJob
+from .figures import Figures
+from .ledger import MemoryLedger
+from .location import Location
+from .model import Group, Switch
+from .moves import Moves
+from .queues import BLOCKED, LockQueues
+from .registry import Registry
+from .slices import SlicePolicies
+from .undo import Fields, Journal
+
+SWITCH = Fields("switch")
+OVERDUE = Fields("overdue_since")
+LAST_GRANTED = Fields("last_granted")
+RESTORING = Fields("restoring")
+
+
+class Arbiter:
+    """Grants the groups' locks in queue order, moving job state out of the way first."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        queues: LockQueues,
+        ledger: MemoryLedger,
+        moves: Moves,
+        slices: SlicePolicies,
+        figures: Figures,
+        journal: Journal,
+        emit: Callable[[Effect], None],
+    ) -> None:
+        self._registry = registry
+        self._queues = queues
+        self._ledger = ledger
+        self._moves = moves
+        self._slices = slices
+        self._figures = figures
+        self._journal = journal
+        self._emit = emit
+
+    def advance_all(self, now: float, frozen: Mapping[str, str]) -> None:
+        """Advance every group but the ``frozen`` ones (a node they span is out of reach)."""
+        for group in self._registry.groups.values():
+            if group.name not in frozen:
+                self.advance(group, now)
+
+    def advance(self, group: Group, now: float) -> None:
+        """Police the holder's slice, or grant the head of the queue, or start the switch it needs."""
+        if group.holder is not None:
+            self._police(group, now)
+        if group.holder is not None or group.switch is not None or not group.queue or group.draining:
+            return
+        head = group.queue[0]
+        if not head.tickets:
+            return  # a kept turn: the group waits for its job to ask again (or the turn to lapse)
+        job = self._registry.jobs[head.job]  # never faulted or exiting: those leave the queue at once
+        if job.location is not Location.RESIDENT and job.location is not Location.PARKED:
+            return  # being parked by another group's switch; go on when that ends
+        victims = self._ledger.plan_room(job)
+        if victims is None:
+            self._block(group, job.name)
+            return  # waits until memory frees up (a holder elsewhere yields, a job exits)
+        if group.blocked is not None:
+            self._journal.fields(group, BLOCKED)
+            group.blocked = None
+        if not victims and job.location is Location.RESIDENT:
+            self._grant(group, now, switch_s=0.0, restored=False, switched=False)
+            return
+        switch = Switch(job.name, now)
+        for v in victims:
+            switch.pending.add(self._moves.start(v, "snapshot", now))
+        self._journal.fields(group, SWITCH)
+        group.switch = switch
+        if not switch.pending:
+            self._continue(group, now)
+
+    def yield_lock(self, group: Group, now: float) -> None:
+        """The holder's slice ends now."""
+        assert group.holder is not None
+        job = self._registry.jobs[group.holder]
+        self._figures.held(group, job, now - group.held_since, len(group.gpus))
+        self._queues.vacate(group)
+
+    def move_finished(self, op: int, now: float) -> None:
+        """Move ``op`` ended: a switch that waited for it alone goes on."""
+        for g in self._registry.groups.values():
+            switch = g.switch
+            if switch is not None and op in switch.pending:
+                self._journal.keep_set(switch.pending)
+                switch.pending.discard(op)
+                if not switch.pending:
+                    self._continue(g, now)
+
+    # --- slices ----------------------------------------------------------------------
+
+    def _police(self, group: Group, now: float) -> None:
+        """Warn a holder past its maximum slice while others wait; preempt it after the grace."""
+        policy = self._slices.policy(group.name)
+        if policy is None or not self._queues.others_wait(group):
+            return
+        overdue = policy.check(group, now)
+        if overdue is None:
+            return
+        assert group.holder is not None
+        if overdue.warning is not None:
+            self._journal.fields(group, OVERDUE)
+            group.overdue_since = now
+            self._emit(NotifyJob(group.holder, "slice_overdue", overdue.warning))
+        if overdue.preempt is not None:
+            self._preempt(group, now, {**overdue.data, "reason": overdue.preempt})
+
+    def _preempt(self, group: Group, now: float, data: dict[str, object]) -> None:
+        """Take the lock from a holder that kept it too long, park it, and queue it again."""
+        assert group.holder is not None
+        job = self._registry.jobs[group.holder]
+        sessions = set(group.holder_sessions)
+        self.yield_lock(group, now)
+        self._figures.preempted(group, job)
+        self._emit(NotifyJob(job.name, "preempted", data))
+        self._queues.requeue(group, job.name, sessions, now)
+        if job.location is Location.RESIDENT:
+            self._moves.start(job, "snapshot", now)  # its next GPU access waits until it is granted again
+
+    # --- switches --------------------------------------------------------------------
+
+    def _block(self, group: Group, job: str) -> None:
+        if group.blocked != job:
+            self._journal.fields(group, BLOCKED)
+            group.blocked = job
+            self._figures.deferred(group)
+
+    def _continue(self, group: Group, now: float) -> None:
+        """All snapshots of the switch are done: restore, or re-plan, or give up."""
+        switch = group.switch
+        assert switch is not None
+        job = self._registry.jobs.get(switch.incoming)
+        # The incoming job may have left the queue (cancel, timeout, closed session,
+        # exit) while others were parked for it: restoring it now would only delay
+        # the new head of the queue.
+        wanted = bool(group.queue) and group.queue[0].job == switch.incoming
+        if switch.restoring or not wanted or job is None or job.faulted:
+            self._finish(group, now)
+            return
+        victims = self._ledger.plan_room(job)
+        if victims is None:
+            self._journal.fields(group, SWITCH)
+            group.switch = None  # a victim faulted and still holds memory; wait for memory
+            self._journal.fields(group, BLOCKED)
+            group.blocked = job.name
+            self._figures.deferred(group)
+            return
+        if victims:
+            self._journal.keep_set(switch.pending)
+            for v in victims:
+                switch.pending.add(self._moves.start(v, "snapshot", now))
+            return
+        if job.location is not Location.PARKED:
+            self._finish(group, now)  # resident all along: only others had to make room
+            return
+        op = self._moves.start(job, "restore", now)
+        self._journal.fields(switch, RESTORING)
+        self._journal.keep_set(switch.pending)
+        switch.restoring = True
+        switch.pending.add(op)
+
+    def _finish(self, group: Group, now: float) -> None:
+        switch = group.switch
+        assert switch is not None
+        self._journal.fields(group, SWITCH)
+        group.switch = None
+        job = self._registry.jobs.get(switch.incoming)
+        if (
+            job is not None
+            and group.queue
+            and group.queue[0].job == job.name
+            and job.location is Location.RESIDENT
+            and not job.faulted
+        ):
+            self._grant(group, now, switch_s=now - switch.started_at, restored=switch.restoring, switched=True)
+
+    def _grant(self, group: Group, now: float, *, switch_s: float, restored: bool, switched: bool) -> None:
+        waiter = self._queues.grant(group, now)
+        job = self._registry.jobs[waiter.job]
+        self._journal.fields(job, LAST_GRANTED)
+        job.last_granted = now
+        waited = now - waiter.enqueued_at
+        self._figures.granted(group, job, waited, switch_s if switched else None)
+        self._emit(
+            GrantLock(
+                group.name, job.name, group.fence, waited, switch_s, restored, tuple(waiter.tickets), switched=switched
+            )
+        )

@@ -1,0 +1,60 @@
+"""The scheduler's invariants, checked by the tests after every step (pure)."""
+
+from __future__ import annotations
+
+import itertools
+
+from .ledger import MemoryLedger
+from .location import Location
+from .moves import Moves
+from .registry import Registry
+
+
+def check(registry: Registry, ledger: MemoryLedger, moves: Moves) -> None:
+    """Raise ``AssertionError`` if any invariant is broken."""
+    groups, jobs, sessions = registry.groups, registry.jobs, registry.sessions
+    in_flight = moves.in_flight.values()
+    moving = {m.job: m for m in in_flight if m.kind != "reclaim"}
+    assert len(moving) == len([m for m in in_flight if m.kind != "reclaim"]), "two moves of one job"
+    for g in groups.values():
+        if g.holder is not None:
+            holder = jobs[g.holder]
+            assert holder.group == g.name
+            assert holder.location is Location.RESIDENT and not holder.faulted, (g.name, holder)
+            assert not holder.exiting, f"exiting job {holder.name} holds {g.name}"
+            assert g.holder_sessions and g.holder_sessions <= holder.sessions, (g.name, g.holder_sessions)
+            assert g.switch is None
+        else:
+            assert not g.holder_sessions
+        names = [w.job for w in g.queue]
+        assert len(names) == len(set(names)), f"job queued twice in {g.name}: {names}"
+        assert all(a.enqueued_at <= b.enqueued_at for a, b in itertools.pairwise(g.queue)), "not FIFO"
+        assert all(w.tickets or w.kept_until is not None for w in g.queue), "empty waiter left in queue"
+        assert g.holder not in names, "holder is also queued"
+        for w in g.queue:
+            job = jobs[w.job]
+            assert job.group == g.name and not job.faulted and not job.exiting, (g.name, job)
+            assert all(sessions.get(t[0]) == job.name for t in w.tickets), (g.name, w)
+        if g.switch is not None:
+            assert g.switch.pending, f"switch of {g.name} has nothing in flight"
+            assert all(op in moves.in_flight for op in g.switch.pending)
+    for name, job in jobs.items():
+        move = moving.get(name)
+        if job.location is Location.PARKING:
+            assert move is not None and move.kind == "snapshot", (name, move)
+        elif job.location is Location.RESTORING:
+            assert move is not None and move.kind == "restore", (name, move)
+            g = groups[job.group]
+            assert g.switch is not None and g.switch.incoming == name and g.switch.restoring, name
+        else:
+            assert move is None, (name, move)
+    for m in in_flight:
+        if m.kind == "reclaim":
+            assert jobs[m.job].exiting
+    for gpu, cap in ledger.capacities.items():
+        assert ledger.used(gpu) <= cap, f"gpu {gpu} over capacity: {ledger.used(gpu)} > {cap}"
+    for s, name in sessions.items():
+        assert s in jobs[name].sessions
+    for job in jobs.values():
+        assert all(sessions.get(s) == job.name for s in job.sessions), job.name
+        assert all(n >= 0 for n in job.footprint.values()), job.name

@@ -1,0 +1,97 @@
+"""The scheduler's records: groups, jobs, their places in the queues, switches (pure data).
+
+The scheduler's concerns (``queues``, ``ledger``, ``moves``, ``arbiter``, ``figures``) read and
+write these; the records hold no logic, and the fields under "figures" are written by ``figures``
+alone. Other packages read the fields named in the scheduler's public API (``holder``,
+``holder_sessions``, ``switch.incoming``, ``gpus``, ``fence``, ``queue``, ``group``, ``sessions``,
+``pids``, ``exclusive``, ``location``, ``footprint``, ``faulted``, ``last_holder``) and, in tests,
+figures.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from .events import SessionId, Ticket
+from .location import Location
+
+RECENT = 512  # samples kept per group and per job for medians and percentiles
+MAX_REQUESTS_PER_JOB = 256  # acquires of one job waiting at once (each of its processes may wait)
+AUTO = 0  # the request id of an acquire the scheduler made for a job (a preempted holder queued again)
+
+
+class GroupState(enum.Enum):
+    IDLE = "idle"  # nobody holds, no job of the group resident
+    IDLE_YIELDED = "idle-yielded"  # nobody holds, the last holder is still resident
+    LOCKED = "locked"
+    SWITCHING = "switching"
+    FAULTED = "faulted"  # nobody holds, and a job of the group is faulted: it needs an operator
+
+
+@dataclass
+class Waiter:
+    """One job's place in a group's queue; several requests may wait on it."""
+
+    job: str
+    enqueued_at: float
+    tickets: dict[Ticket, float | None] = field(default_factory=dict)  # ticket -> deadline
+    kept_until: float | None = None  # a turn kept without requests (see ``keep_turn``) lapses then
+
+
+@dataclass
+class Job:
+    name: str
+    group: str
+    sessions: set[SessionId] = field(default_factory=set)
+    pids: set[int] = field(default_factory=set)
+    # Changed only by ``Moves`` through ``location.moved`` (a test walks the source to keep it so).
+    location: Location = Location.RESIDENT
+    footprint: dict[int, int] = field(default_factory=dict)  # gpu -> bytes
+    exclusive: bool = False  # see JobRegistered.exclusive
+    faulted: str = ""  # why, if faulted
+    exiting: bool = False
+    last_granted: float = float("-inf")  # the least recently granted are parked first
+    # figures
+    slices: int = 0
+    preemptions: int = 0
+    restores: int = 0
+    snapshots: int = 0
+    gpu_seconds: float = 0.0
+    bytes_moved: int = 0
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+
+
+@dataclass
+class Switch:
+    incoming: str
+    started_at: float
+    pending: set[int] = field(default_factory=set)  # snapshot / restore ops in flight
+    restoring: bool = False
+
+
+@dataclass
+class Group:
+    name: str
+    gpus: tuple[int, ...]
+    queue: list[Waiter] = field(default_factory=list)
+    holder: str | None = None
+    holder_sessions: set[SessionId] = field(default_factory=set)
+    held_since: float = 0.0
+    overdue_since: float | None = None  # when the holder was warned that its slice is over
+    fence: int = 0
+    switch: Switch | None = None
+    last_holder: str | None = None
+    draining: bool = False
+    blocked: str | None = None  # the head job while it waits for memory or for a rival to leave
+    # figures
+    created_at: float = 0.0
+    grants: int = 0
+    switches: int = 0
+    preemptions: int = 0
+    bytes_moved: int = 0
+    held_total_s: float = 0.0
+    deferred: int = 0  # times the head of the queue had to wait for memory or for a rival to leave
+    switch_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    wait_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))

@@ -1,0 +1,110 @@
+"""The scheduler as plain data, for ``status``, the metrics and the dashboard (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..util.stats import median, percentile
+from .ledger import MemoryLedger
+from .location import Location
+from .model import AUTO, Group, GroupState, Job
+from .registry import Registry
+from .slices import SlicePolicies
+
+
+def group_state(registry: Registry, group: Group) -> GroupState:
+    if group.switch is not None:
+        return GroupState.SWITCHING
+    if group.holder is not None:
+        return GroupState.LOCKED
+    if any(j.faulted and not j.exiting for j in registry.jobs.values() if j.group == group.name):
+        return GroupState.FAULTED
+    last = registry.jobs.get(group.last_holder or "")
+    if last is not None and last.location is Location.RESIDENT and not last.faulted:
+        return GroupState.IDLE_YIELDED
+    return GroupState.IDLE
+
+
+def describe(
+    registry: Registry, ledger: MemoryLedger, slices: SlicePolicies, frozen: Mapping[str, str], now: float
+) -> dict[str, Any]:
+    """A plain-data picture of the scheduler at ``now``."""
+    jobs = registry.jobs.values()
+    return {
+        "devices": [
+            {
+                "index": gpu,
+                "capacity": cap,
+                "used": ledger.used(gpu),
+                "jobs": {
+                    j.name: {"bytes": j.footprint[gpu], "location": j.location.value}
+                    for j in jobs
+                    if j.footprint.get(gpu)
+                },
+            }
+            for gpu, cap in sorted(ledger.capacities.items())
+        ],
+        "groups": [_group(registry, slices, frozen, g, now) for g in registry.groups.values()],
+        "jobs": [_job(registry, j, now) for j in jobs],
+    }
+
+
+def _job(registry: Registry, j: Job, now: float) -> dict[str, Any]:
+    group = registry.groups[j.group]
+    held = now - group.held_since if group.holder == j.name else 0.0
+    return {
+        "job": j.name,
+        "group": j.group,
+        "location": j.location.value,
+        "faulted": j.faulted or None,
+        "sessions": len(j.sessions),
+        "pids": sorted(j.pids),
+        "footprint": {str(k): v for k, v in sorted(j.footprint.items())},
+        "slices": j.slices,
+        "restores": j.restores,
+        "snapshots": j.snapshots,
+        "preemptions": j.preemptions,
+        "gpu_seconds": j.gpu_seconds + (held * len(group.gpus)),
+        "bytes_moved": j.bytes_moved,
+        "median_wait_s": median(j.waits),
+    }
+
+
+def _group(
+    registry: Registry, slices: SlicePolicies, frozen: Mapping[str, str], g: Group, now: float
+) -> dict[str, Any]:
+    p = slices.policy(g.name)
+    return {
+        "group": g.name,
+        "gpus": list(g.gpus),
+        "state": group_state(registry, g).value,
+        "holder": g.holder,
+        "held_s": now - g.held_since if g.holder else None,
+        "fence": g.fence,
+        "queue": [
+            {
+                "job": w.job,
+                "waited_s": now - w.enqueued_at,
+                "requests": len(w.tickets),
+                "kept_for_s": None if w.tickets or w.kept_until is None else max(0.0, w.kept_until - now),
+                "preempted": any(t[1] == AUTO for t in w.tickets),
+            }
+            for w in g.queue
+        ],
+        "overdue_s": None if g.overdue_since is None else now - g.overdue_since,
+        "max_slice_s": p.max_slice if p else None,
+        "slice_action": p.action if p else None,
+        "preemptions": g.preemptions,
+        "switching_to": g.switch.incoming if g.switch else None,
+        "draining": g.draining,
+        "frozen": frozen.get(g.name),
+        "deferred": g.deferred,
+        "grants": g.grants,
+        "switches": g.switches,
+        "bytes_moved": g.bytes_moved,
+        "median_switch_s": median(g.switch_times),
+        "p95_switch_s": percentile(g.switch_times, 0.95),
+        "median_wait_s": median(g.wait_times),
+        "lock_duty": (g.held_total_s + (now - g.held_since if g.holder else 0.0)) / max(now - g.created_at, 1e-9),
+    }
