@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec, TypeVar
 
 from .. import errors
+from ..wire.status import SchedulerPicture
 from . import invariants, status
 from .arbiter import Arbiter
 from .events import (
@@ -226,8 +227,8 @@ class Scheduler:
         """Raises ``NotRegistered``."""
         return self.registry.job_of(session)
 
-    def describe(self, now: float) -> dict[str, Any]:
-        """A plain-data picture of the scheduler for ``status`` and the dashboard."""
+    def describe(self, now: float) -> SchedulerPicture:
+        """A plain-data picture of the scheduler for ``status`` and the dashboard (``wire.status``)."""
         return status.describe(self.registry, self.ledger, self.slices, self._frozen, now)
 
     def check_invariants(self) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from ..util.stats import median, percentile
+from ..wire import status as schema
 from .ledger import MemoryLedger
 from .location import Location
 from .model import AUTO, Group, GroupState, Job
@@ -28,8 +28,8 @@ def group_state(registry: Registry, group: Group) -> GroupState:
 
 def describe(
     registry: Registry, ledger: MemoryLedger, slices: SlicePolicies, frozen: Mapping[str, str], now: float
-) -> dict[str, Any]:
-    """A plain-data picture of the scheduler at ``now``."""
+) -> schema.SchedulerPicture:
+    """A plain-data picture of the scheduler at ``now`` (``wire.status``)."""
     jobs = registry.jobs.values()
     return {
         "devices": [
@@ -50,7 +50,7 @@ def describe(
     }
 
 
-def _job(registry: Registry, j: Job, now: float) -> dict[str, Any]:
+def _job(registry: Registry, j: Job, now: float) -> schema.JobFigures:
     group = registry.groups[j.group]
     held = now - group.held_since if group.holder == j.name else 0.0
     return {
@@ -71,9 +71,7 @@ def _job(registry: Registry, j: Job, now: float) -> dict[str, Any]:
     }
 
 
-def _group(
-    registry: Registry, slices: SlicePolicies, frozen: Mapping[str, str], g: Group, now: float
-) -> dict[str, Any]:
+def _group(registry: Registry, slices: SlicePolicies, frozen: Mapping[str, str], g: Group, now: float) -> schema.Group:
     p = slices.policy(g.name)
     return {
         "group": g.name,

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import TypedDict, cast
 
-from ..cluster.node import ClusterNode
+from ..cluster.node import ClusterNode, LocalJob
 from ..cluster.transport import PeerTransport
 from ..config import DaemonConfig
 from ..telemetry import MoveLog, SimGpuSource, Telemetry
@@ -20,6 +20,11 @@ from ..wire import status as schema
 from .jobs import NodeJobs
 from .parking import Parking
 from .server import ClientServer
+
+
+class _Parked(TypedDict):
+    park: str | None
+    measured: dict[str, int]
 
 
 class StatusReport:
@@ -54,11 +59,7 @@ class StatusReport:
             self.telemetry.ingest(self.sim_source.sample(), self.telemetry.clock())
         now = self.clock()
         scheduler = self.cluster.scheduler
-        picture = cast(schema.Picture, scheduler.describe(now)) if scheduler is not None else self.local_picture()
-        for job in picture["jobs"]:
-            spec = self.jobs.park.get(job["job"])
-            job["park"] = spec.method if spec else None
-            job["measured"] = {str(gpu): n for gpu, n in sorted(self.jobs.measured.get(job["job"], {}).items())}
+        picture = self.leader_picture(now) if scheduler is not None else self.local_picture()
         peers = self.peers()
         cluster = cast(schema.Cluster, {**self.cluster.describe(now), "peers": peers.describe() if peers else None})
         return {
@@ -76,6 +77,19 @@ class StatusReport:
             "telemetry": cast(schema.Telemetry, self.telemetry.describe(now)),
             "moves": self.moves_with_wall_times(now),
         }
+
+    def leader_picture(self, now: float) -> schema.Picture:
+        """The scheduler's picture of every node, with what this node knows of each job's parking."""
+        scheduler = self.cluster.scheduler
+        assert scheduler is not None
+        seen = scheduler.describe(now)
+        jobs: list[schema.Job] = [{**job, **self._parking_of(job["job"])} for job in seen["jobs"]]
+        return {"devices": seen["devices"], "groups": seen["groups"], "jobs": jobs}
+
+    def _parking_of(self, job: str) -> _Parked:
+        spec = self.jobs.park.get(job)
+        measured = {str(gpu): n for gpu, n in sorted(self.jobs.measured.get(job, {}).items())}
+        return {"park": spec.method if spec else None, "measured": measured}
 
     def local_picture(self) -> schema.Picture:
         """A follower's own GPUs and jobs."""
@@ -95,20 +109,21 @@ class StatusReport:
                 for gpu, cap in sorted(c.devices.items())
             ],
             "groups": [],
-            "jobs": [
-                {
-                    "job": j.name,
-                    "group": j.group,
-                    "location": j.location,
-                    "faulted": j.faulted or None,
-                    "sessions": len(j.sessions),
-                    "pids": sorted(j.pids),
-                    "footprint": {str(k): v for k, v in sorted(j.footprint.items())},
-                    "park": None,
-                    "measured": {},
-                }
-                for j in c.jobs.values()
-            ],
+            "jobs": [self._local_job(j) for j in c.jobs.values()],
+        }
+
+    def _local_job(self, j: LocalJob) -> schema.Job:
+        parked = self._parking_of(j.name)
+        return {
+            "job": j.name,
+            "group": j.group,
+            "location": j.location,
+            "faulted": j.faulted or None,
+            "sessions": len(j.sessions),
+            "pids": sorted(j.pids),
+            "footprint": {str(k): v for k, v in sorted(j.footprint.items())},
+            "park": parked["park"],
+            "measured": parked["measured"],
         }
 
     def moves_with_wall_times(self, now: float) -> schema.Moves:

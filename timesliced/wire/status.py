@@ -66,7 +66,9 @@ class Group(TypedDict):
     lock_duty: float  # the share of the group's life that a job held it
 
 
-class _JobBase(TypedDict):
+class JobPlace(TypedDict):
+    """A job as any node knows it."""
+
     job: str
     group: str
     location: str
@@ -74,12 +76,10 @@ class _JobBase(TypedDict):
     sessions: int
     pids: list[int]
     footprint: dict[str, int]  # GPU -> bytes the job holds there when resident
-    park: str | None  # its parking method
-    measured: dict[str, int]  # GPU -> bytes its last move measured
 
 
-class Job(_JobBase, total=False):
-    """A job; the figures are the leader's (a follower shows its own jobs without them)."""
+class JobFigures(JobPlace, total=False):
+    """A job with the scheduler's figures (the leader has them; a follower shows its jobs without)."""
 
     slices: int
     restores: int
@@ -90,8 +90,23 @@ class Job(_JobBase, total=False):
     median_wait_s: float | None
 
 
+class Job(JobFigures):
+    """A job in the status document: what the node adds to the scheduler's picture."""
+
+    park: str | None  # its parking method, where this node knows it
+    measured: dict[str, int]  # GPU -> bytes its last move measured
+
+
+class SchedulerPicture(TypedDict):
+    """What the scheduler shows (``Scheduler.describe``)."""
+
+    devices: list[Device]
+    groups: list[Group]
+    jobs: list[JobFigures]
+
+
 class Picture(TypedDict):
-    """What the scheduler (or a follower, of its own jobs) shows."""
+    """The node's picture: the scheduler's on the leader, a follower's own GPUs and jobs elsewhere."""
 
     devices: list[Device]
     groups: list[Group]
