@@ -37,7 +37,7 @@ from timesliced.core.events import (
 )
 from timesliced.core.scheduler import Scheduler
 
-from .conftest import Harness
+from ..helpers.harness import Harness
 
 
 def only(effects: list[Effect], kind: type[Any]) -> list[Any]:

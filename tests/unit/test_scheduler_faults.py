@@ -29,7 +29,7 @@ from timesliced.core.events import (
 from timesliced.core.scheduler import SlicePolicy
 from timesliced.core.undo import Fields, Journal
 
-from .conftest import Fault, Faults, Harness
+from ..helpers.harness import Fault, Faults, Harness
 from .test_scheduler import holding, only, two_jobs_one_parked
 
 Step = Callable[[Harness], Any]

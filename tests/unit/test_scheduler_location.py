@@ -17,7 +17,7 @@ import pytest
 from timesliced.core.events import JobRegistered, SnapshotJob
 from timesliced.core.location import TRANSITIONS, Cause, IllegalTransition, Location, moved
 
-from .conftest import Harness
+from ..helpers.harness import Harness
 from .test_scheduler import holding, only
 
 PAIRS = list(itertools.product(Location, Cause))

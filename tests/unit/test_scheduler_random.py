@@ -61,7 +61,7 @@ from timesliced.core.events import (
 from timesliced.core.location import Location
 from timesliced.core.scheduler import AUTO, Scheduler, SlicePolicy
 
-from .conftest import Fault, Faults, core_state
+from ..helpers.harness import Fault, Faults, core_state
 
 CAPACITIES = {0: 100, 1: 100, 2: 100}
 GROUPS = {"g0": (0, 1), "g1": (1, 2), "g2": (0,)}  # g0 shares GPU 0 with g2 and GPU 1 with g1

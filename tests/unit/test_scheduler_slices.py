@@ -9,7 +9,7 @@ import pytest
 from timesliced.core.events import GrantLock, NotifyJob, RestoreJob, SnapshotJob
 from timesliced.core.scheduler import AUTO, SlicePolicy
 
-from .conftest import Harness
+from ..helpers.harness import Harness
 from .test_scheduler import holding, kinds, one_grant, only
 
 
