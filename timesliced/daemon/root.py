@@ -23,7 +23,10 @@ from aiohttp import web
 from .. import errors
 from ..backends.base import JobTarget, MoveResult
 from ..backends.offload import Direct
-from ..cluster.node import PENDING, Allocate, ClusterNode, Fail, Noted, Push, RecordGrant, Reply, RunMove, Send
+from ..cluster.asks import Acquire, Alloc, Cancel, Register, Release, Request
+from ..cluster.effects import Allocate, Fail, Noted, Push, RecordGrant, Reply, RunMove, Send
+from ..cluster.messages import MalformedMessage
+from ..cluster.node import PENDING, ClusterNode
 from ..cluster.transport import PeerTransport
 from ..config import DaemonConfig
 from ..core.election import Persist
@@ -192,8 +195,10 @@ class Daemon:
     def _on_peer_message(self, sender: str, message: dict[str, Any]) -> None:
         try:
             self._step(self.cluster.receive, sender, message, self._now())
-        except (ValueError, KeyError, TypeError) as exc:  # one peer's bad message never stops the daemon
-            log.warning("dropped a malformed message from node %r: %s: %s", sender, exc.__class__.__name__, exc)
+        except MalformedMessage as exc:  # one peer's bad message never stops the daemon
+            log.warning("dropped a malformed message from node %r: %s", sender, exc)
+        except Exception:  # the node checked the message: this is ours
+            log.exception("bug: the cluster core failed on a message from node %r", sender)
 
     def _on_peer_link(self, peer: str, up: bool) -> None:
         log.info("link to node %r is %s", peer, "up" if up else "down")
@@ -242,10 +247,10 @@ class Daemon:
             raise errors.UnknownOp(f"unknown op {op!r}; known: {', '.join(sorted(self._ops))}")
         return handler(self, conn, request_id, args)
 
-    def _request(self, conn: Connection, rid: int, op: str, args: dict[str, Any]) -> Any:
+    def _request(self, conn: Connection, request: Request) -> Any:
         """Hand a client's request to the cluster (the leader, wherever it is)."""
         self._conns[conn.id] = conn
-        result = self._step(self.cluster.request, conn.id, rid, op, args, self._now())
+        result = self._step(self.cluster.request, request, self._now())
         return DEFERRED if result is PENDING else result
 
     def _op_register(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
@@ -258,27 +263,30 @@ class Daemon:
         known = self._park.get(job)
         if known is not None and known != spec and job in self.cluster.jobs:
             raise errors.BadRequest(f"job {job!r} is already registered to be parked with {known}")
-        request = {
-            "job": job,
-            "group": group,
-            "gpus": gpus,
-            "pids": sorted(pids),
-            "exclusive": spec.method != "sim",
-            "extra": {"session": conn.id, "park": spec.method},
-        }
-        result = self._request(conn, rid, "register", request)
+        extra = {"session": conn.id, "park": spec.method}
+        request = Register(
+            conn.id,
+            rid,
+            job,
+            group,
+            gpus=None if gpus is None else tuple(gpus),
+            pids=tuple(sorted(pids)),
+            exclusive=spec.method != "sim",
+            extra=extra,
+        )
+        result = self._request(conn, request)
         self._park[job] = spec  # the same as before, or the job is not (yet) registered here
         self.history.record("registered", self._now(), group=group, job=job, detail=spec.method)
         return result
 
     def _op_acquire(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._request(conn, rid, "acquire", {"timeout": arg_opt_float(args, "timeout")})
+        return self._request(conn, Acquire(conn.id, rid, arg_opt_float(args, "timeout")))
 
     def _op_cancel(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._request(conn, rid, "cancel", {"request": arg_int(args, "request")})
+        return self._request(conn, Cancel(conn.id, rid, arg_int(args, "request")))
 
     def _op_release(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._request(conn, rid, "release", {})
+        return self._request(conn, Release(conn.id, rid))
 
     def _job_of(self, conn: Connection) -> str:
         job = self.cluster.sessions.get(conn.id)
@@ -294,8 +302,7 @@ class Daemon:
             raise errors.BadRequest(f"job {job!r} is parked with {self._park[job].method}: it has no simulated memory")
         if gpu not in self.cluster.local_gpus(job):
             raise errors.UnknownDevice(f"GPU {gpu} is not one of this node's GPUs of job {job!r}")
-        request = {"gpu": gpu, "nbytes": self._sim().rounded(nbytes), "requested": nbytes}
-        return self._request(conn, rid, "alloc", request)
+        return self._request(conn, Alloc(conn.id, rid, gpu, self._sim().rounded(nbytes), nbytes))
 
     def _op_sim_free(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         job = self._job_of(conn)
@@ -337,13 +344,10 @@ class Daemon:
 
     def admin(self, event: ForceReleaseRequested | DrainRequested) -> dict[str, Any]:
         """An administrator's action (the dashboard checked the token); raises ``TimeslicedError``."""
+        result: dict[str, Any] = self._step(self.cluster.admin, event, self._now())
         if isinstance(event, ForceReleaseRequested):
-            result: dict[str, Any] = self._step(
-                self.cluster.admin, "force_release", {"group": event.group}, self._now()
-            )
             what = f"force-released from {result['released']}"
         else:
-            result = self._step(self.cluster.admin, "drain", {"group": event.group, "on": event.on}, self._now())
             what = "drained" if event.on else "resumed"
         log.warning("administrator: group %r %s", event.group, what)
         self.history.record("admin", self._now(), group=event.group, detail=what)
@@ -387,9 +391,9 @@ class Daemon:
                 {
                     "index": gpu,
                     "capacity": cap,
-                    "used": sum(j.footprint.get(gpu, 0) for j in c.jobs.values() if j.location != "parked"),
+                    "used": sum(j.footprint.get(gpu, 0) for j in c.jobs.values() if j.location.occupies_device),
                     "jobs": {
-                        j.name: {"bytes": j.footprint[gpu], "location": j.location}
+                        j.name: {"bytes": j.footprint[gpu], "location": j.location.value}
                         for j in c.jobs.values()
                         if j.footprint.get(gpu)
                     },
@@ -401,7 +405,7 @@ class Daemon:
                 {
                     "job": j.name,
                     "group": j.group,
-                    "location": j.location,
+                    "location": j.location.value,
                     "faulted": j.faulted or None,
                     "sessions": len(j.sessions),
                     "pids": sorted(j.pids),
@@ -465,7 +469,7 @@ class Daemon:
                 conn.fail(effect.rid, effect.error)
         elif isinstance(effect, Send):
             if self.peers is not None:
-                self.peers.send(effect.to, effect.message)
+                self.peers.send(effect.to, effect.message.to_wire())
         elif isinstance(effect, Persist):
             save_election(self.config.state_dir, effect.state)  # durable before any later Send
         elif isinstance(effect, Push):
