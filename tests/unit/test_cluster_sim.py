@@ -1,9 +1,10 @@
 """Cluster cores (election + scheduler + forwarding) on an in-memory network, with seeded chaos.
 
 Each node is a ``ClusterNode`` whose shell is played by ``Cluster``: it carries
-out the node's effects in order (``Persist`` into durable state, ``Send`` into a
-FIFO link that may be cut, moves and allocations after a short random delay),
-fires timers at ``next_deadline()``, and runs clients on every node that
+out the node's effects in order (``Persist`` into durable state, ``Send`` as its
+wire map through msgpack into a FIFO link that may be cut, moves and allocations
+after a short random delay), keeps one timer armed at ``next_deadline()`` as the
+daemon does (arming it again cancels the last), and runs clients on every node that
 register, acquire, hold for a while, release and acquire again. Some jobs span
 two nodes (one client on each).
 
@@ -67,6 +68,8 @@ class Box:
     core: ClusterNode | None = None
     persisted: Persisted = field(default_factory=Persisted)
     life: int = 0
+    timer: int = 0  # the armed timer (a later one cancels it), as the daemon keeps one ``call_at``
+    timer_at: float | None = None
 
 
 class Cluster:
@@ -161,18 +164,25 @@ class Cluster:
                 core.link(dst, up, self.now)
                 self.apply(src)
 
-    def fire(self, name: str, life: int) -> None:
+    def fire(self, name: str, life: int, timer: int) -> None:
         box = self.boxes[name]
-        if box.core is None or box.life != life:
-            return
+        if box.core is None or box.life != life or box.timer != timer:
+            return  # the node died, or its timer was armed again since
+        box.timer_at = None
         box.core.handle_timers(self.now)
         self.apply(name)
 
     def arm(self, name: str) -> None:
+        """Keep one timer armed at the node's next deadline (the daemon's ``_rearm_timer``)."""
         box = self.boxes[name]
         deadline = box.core.next_deadline() if box.core else None
+        if deadline == box.timer_at:
+            return
+        box.timer += 1
+        box.timer_at = deadline
         if deadline is not None:
-            self.at(max(deadline, self.now), lambda n=name, life=box.life: self.fire(n, life))
+            timer = box.timer
+            self.at(max(deadline, self.now), lambda n=name, life=box.life, t=timer: self.fire(n, life, t))
 
     def apply(self, name: str) -> None:
         box = self.boxes[name]
@@ -371,7 +381,7 @@ def test_quiet_cluster_grants_in_turn_across_nodes() -> None:
     assert len(cluster.grant_log) >= 40
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_chaos_keeps_one_holder_and_loses_no_acquire(seed: int) -> None:
     cluster = Cluster(["a", "b", "c"], seed, JOBS)
     rng = random.Random(seed * 7919)
@@ -406,3 +416,36 @@ def test_chaos_keeps_one_holder_and_loses_no_acquire(seed: int) -> None:
     after = progress(cluster)
     stuck = {k: v for k, v in after.items() if v <= before.get(k, 0)}
     assert not stuck, f"clients not granted after healing: {stuck}; before {before}"
+
+
+# --- the checker itself can fail ---------------------------------------------------------------
+
+
+class SkipsSnapshots(Cluster):
+    """A broken shell: it says a snapshot is done but leaves the job's memory on the GPU."""
+
+    def move_done(self, name: str, effect: RunMove, life: int) -> None:
+        if effect.kind == "snapshot":
+            box = self.boxes[name]
+            if box.core is not None and box.life == life:
+                box.core.move_finished(effect.key, True, FOOTPRINT, 0.01, "", self.now)
+                self.apply(name)
+            return
+        super().move_done(name, effect, life)
+
+
+class GrantsTwice(Cluster):
+    """A broken shell: a grant also reaches another waiting client of the group, on any node."""
+
+    def on_grant(self, c: Client, info: dict[str, Any]) -> None:
+        super().on_grant(c, info)
+        other = next((o for o in self.clients if o.group == c.group and o.job != c.job and o.state == "waiting"), None)
+        if other is not None:
+            super().on_grant(other, info)
+
+
+@pytest.mark.parametrize(("broken", "match"), [(SkipsSnapshots, "over capacity|resident"), (GrantsTwice, "hold it")])
+def test_the_checker_catches_a_broken_shell(broken: type[Cluster], match: str) -> None:
+    cluster = broken(["a", "b", "c"], 1, JOBS)
+    with pytest.raises(AssertionError, match=match):
+        cluster.run_until(20.0)
