@@ -186,7 +186,7 @@ class ClusterNode:
         self._notes: list[Notice] = []  # one-way notices for the leader, held until ready
         self._moving: dict[tuple[int, int, int], tuple[str, str]] = {}  # key -> (kind, job)
         self._report_due = False
-        self._req = itertools.count(1)
+        self._next_req = 1
         self._order = itertools.count(1)
         self._effects: list[Effect] = []
         self._inbox: list[tuple[str, PeerMessage]] = []  # messages to this node from itself
@@ -275,11 +275,15 @@ class ClusterNode:
             except errors.TimeslicedError:
                 self._asked(ask, now, queued=False)
                 raise
-            answer = self._registered(ask, result) if isinstance(ask, Register) else result
+            if isinstance(ask, Register):
+                reply = self._register_reply(ask, result)
+                self._take_registered(ask, result)
+                return reply
             self._asked(ask, now, queued=True)
-            return PENDING if isinstance(ask, LATER) else answer
-        req = next(self._req)
+            return PENDING if isinstance(ask, LATER) else result
+        req = self._next_req
         message = Req(self.era, req, ask) if self.ready and self.leader is not None and self.era else None
+        self._next_req += 1
         self._pending[req] = Pending(ask)
         self._asked(ask, now, queued=True)
         if message is not None:
@@ -511,25 +515,25 @@ class ClusterNode:
         else:
             self._notes.append(notice)
 
-    def _registered(self, ask: Register, result: Registered) -> dict[str, Any]:
-        """The client's reply to its register, and the job as this node knows it from now on."""
-        local = [local_gpu(g) for g in result.gpus if gpu_slot(g) == self.slot]
-        reply = {
+    def _register_reply(self, ask: Register, result: Registered) -> dict[str, Any]:
+        """The client's reply to its register: this node's GPUs of the group, and the cluster's."""
+        return {
             "job": result.job,
             "group": result.group,
-            "gpus": local,
+            "gpus": [local_gpu(g) for g in result.gpus if gpu_slot(g) == self.slot],
             "location": result.location.value,
             "cluster_gpus": list(result.gpus),
             **ask.extra,  # what the node's shell adds to the reply (its own session id)
         }
-        job = self.jobs.get(ask.job) or LocalJob(ask.job, ask.group, ask.exclusive, ())
-        self.jobs[ask.job] = job
+
+    def _take_registered(self, ask: Register, result: Registered) -> None:
+        """The job, as this node knows it from now on (the leader registered it)."""
+        job = self.jobs.setdefault(ask.job, LocalJob(ask.job, ask.group, ask.exclusive, ()))
         job.span = result.gpus
         job.sessions.add(ask.conn)
         job.pids.update(ask.pids)
         job.gone = False
         self.sessions[ask.conn] = ask.job
-        return reply
 
     # --- messages from the leader ---------------------------------------------------------------
 
@@ -600,25 +604,25 @@ class ClusterNode:
         if m.op != p.ask.OP:  # not the answer to this request: no correct leader sends it
             self.refused += 1
             return
-        effect: Reply | Fail | None
+        effect: Reply | Fail | None = None
         conn, rid = p.ask.conn, p.ask.rid
-        if m.error is None:
-            if isinstance(p.ask, LATER):
-                effect = None
-            elif isinstance(p.ask, Register):
-                assert isinstance(m.result, Registered)  # Res checks it
-                effect = Reply(conn, rid, self._registered(p.ask, m.result))
-            else:
-                effect = Reply(conn, rid, m.result)
-        else:
+        registered = m.result if isinstance(p.ask, Register) and isinstance(m.result, Registered) else None
+        if m.error is not None:
             error = m.error.exception()
             if isinstance(p.ask, Release) and p.resent and isinstance(error, errors.NotHolder):
                 effect = Reply(conn, rid, {"released": True, "after_leader_change": True})
             else:
                 effect = Fail(conn, rid, error)
-                self.waiting.pop((conn, rid), None)
+        elif isinstance(p.ask, Register) and registered is not None:  # Res checks that it is one
+            effect = Reply(conn, rid, self._register_reply(p.ask, registered))
+        elif not isinstance(p.ask, LATER):
+            effect = Reply(conn, rid, m.result)
         del self._pending[m.id]
         self._sent.discard(m.id)
+        if isinstance(effect, Fail):
+            self.waiting.pop((conn, rid), None)
+        if isinstance(p.ask, Register) and registered is not None:
+            self._take_registered(p.ask, registered)
         if effect is not None:
             self._effects.append(effect)
 
@@ -642,13 +646,15 @@ class ClusterNode:
             if self.sessions.get(conn) == info.job:
                 conns.add(conn)
         holding = self.holders.get(info.group)
+        joins = m.again and holding is not None and holding.job == info.job
+        new = Holding(info.job, info.term, info.fence, conns) if conns and not joins else None
         self.fences[info.group] = stamp
         for key in answered:
             self.waiting.pop(key, None)
-        if m.again and holding is not None and holding.job == info.job:
+        if joins and holding is not None:
             holding.conns |= conns
-        elif conns:
-            self.holders[info.group] = Holding(info.job, info.term, info.fence, conns)
+        elif new is not None:
+            self.holders[info.group] = new
         self._effects.extend(effects)
 
     def _on_fail(self, m: Failed) -> None:
@@ -656,8 +662,9 @@ class ClusterNode:
         if m.rid == AUTO:  # a preempted job will not be granted again: its client must not wait for it
             self._effects.append(Push((m.conn,), "lock_lost", {"reason": error.message}))
             return
+        fail = Fail(m.conn, m.rid, error)
         self.waiting.pop((m.conn, m.rid), None)
-        self._effects.append(Fail(m.conn, m.rid, error))
+        self._effects.append(fail)
 
     def _on_notify(self, m: Notify) -> None:
         job = self.jobs.get(m.job)
@@ -665,8 +672,10 @@ class ClusterNode:
             return
         push = Push(tuple(sorted(job.sessions)), m.event, m.data)
         holding = self.holders.get(job.group)
-        if m.event == "faulted" and not m.data.get("until_resync"):
-            job.faulted = str(m.data.get("reason", "faulted"))
+        faulted = m.event == "faulted" and not m.data.get("until_resync")
+        reason = str(m.data.get("reason", "faulted"))
+        if faulted:
+            job.faulted = reason
         elif m.event in ("lock_lost", "preempted") and holding is not None and holding.job == m.job:
             del self.holders[job.group]
         self._effects.append(push)
@@ -675,9 +684,10 @@ class ClusterNode:
         assert self.era is not None
         key = (*self.era, m.op)
         job = self.jobs.get(m.job)
+        run = RunMove(key, m.kind, m.job)
         if m.kind == "reclaim":
             self._moving[key] = (m.kind, m.job)
-            self._effects.append(RunMove(key, m.kind, m.job))
+            self._effects.append(run)
             return
         if job is None or job.location is NOTHING_TO_DO[m.kind]:
             self._finish_move(key, m.kind, m.job, True, MoveDone(m.op, True), now)
@@ -685,7 +695,7 @@ class ClusterNode:
         location = moved(job.location, STARTED[m.kind])
         self._moving[key] = (m.kind, m.job)
         job.location = location
-        self._effects.append(RunMove(key, m.kind, m.job))
+        self._effects.append(run)
 
     def _on_allotted(self, m: Allotted) -> None:
         job = self.jobs.get(m.job)

@@ -154,16 +154,17 @@ class Orchestrator:
         orch = cls(era, capacities, max_waiters=max_waiters, op_timeout=op_timeout, policies=policies)
         orch.offline = set(missing)
         orch.fence_floor = dict(fence_floor or {})
-        merged, problems = steps.merge_jobs(reports)
-        settle = steps.adopt_jobs(orch, merged, now, problems)
-        orch.refreeze(now)  # before anything below may grant
-        steps.adopt_sessions(orch, reports, now, problems)
-        steps.adopt_fences_and_holders(orch, reports, now, problems)
-        steps.settle_half_switched(orch, settle, now)
-        steps.queue_waiting(orch, reports, now, problems)
-        for name in list(orch.scheduler.jobs):
-            orch.maybe_exited(name, now)
-        orch.route(now)
+        with orch._input():  # its first: should it raise, nobody ever sees this orchestrator
+            merged, problems = steps.merge_jobs(reports)
+            settle = steps.adopt_jobs(orch, merged, now, problems)
+            orch.refreeze(now)  # before anything below may grant
+            steps.adopt_sessions(orch, reports, now, problems)
+            steps.adopt_fences_and_holders(orch, reports, now, problems)
+            steps.settle_half_switched(orch, settle, now)
+            steps.queue_waiting(orch, reports, now, problems)
+            for name in list(orch.scheduler.jobs):
+                orch.maybe_exited(name, now)
+            orch.route(now)
         return orch, problems
 
     # --- inputs ----------------------------------------------------------------------
