@@ -1,11 +1,11 @@
 """Typed fields of the peer messages: how each is checked, written to the wire and read back (pure).
 
 A peer message is a frozen dataclass whose fields each name their ``Field`` in their annotation
-(``conn: Annotated[int, CONN]``).
-The field checks a value when the message is built (so no message of a wrong shape exists, even
-one this node builds), writes it as plain msgpack values (``to_wire``), and reads it back from
-what a peer sent (``from_wire``), refusing anything else with ``MalformedMessage`` before any
-state is touched. The error names the field by its path (``report.jobs[2].footprint['0']``).
+(``conn: Annotated[int, CONN]``). The field checks a value when the message is built (so no
+message of a wrong shape exists, even one this node builds), writes it as plain msgpack values
+(``to_wire``), and reads it back from what a peer sent (``from_wire``), refusing anything else
+with ``MalformedMessage`` before any state is touched. The error names the field by its path
+(``report.report.jobs[2].footprint['0']``).
 """
 
 from __future__ import annotations
@@ -114,9 +114,6 @@ class Choice(Field):
         if value not in self.values or not isinstance(value, str):
             refuse(path, self.what, value)
         return value
-
-
-E = TypeVar("E", bound=enum.Enum)
 
 
 class Enum(Field):

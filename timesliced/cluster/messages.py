@@ -58,24 +58,30 @@ class Message(Wire):
 # --- the election's own messages ---------------------------------------------------------
 
 
+class ElectionMessage(Field):
+    """One of the election core's own messages (``core/election.py``), which read and check themselves."""
+
+    what = "an election message"
+
+    def check(self, value: Any, path: str) -> election.Message:
+        if not isinstance(value, election.MESSAGES):
+            refuse(path, self.what, value)
+        return value
+
+    def load(self, value: Any, path: str) -> election.Message:
+        try:
+            return election.message_from_wire(value)
+        except ValueError as exc:
+            raise MalformedMessage(f"{path}: {exc}") from None
+
+    def dump(self, value: Any) -> Any:
+        return value.to_wire()
+
+
 @dataclass(frozen=True)
 class Elect(Message):
     K = "elect"
-    m: election.Message
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.m, election.MESSAGES):
-            refuse("elect.m", "an election message", self.m)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"k": self.K, "m": self.m.to_wire()}
-
-    @classmethod
-    def from_wire(cls, data: Any, path: str = "") -> Elect:
-        try:
-            return cls(election.message_from_wire(data.get("m")))
-        except ValueError as exc:  # the election's own parse
-            raise MalformedMessage(f"elect.m: {exc}") from None
+    m: Annotated[election.Message, ElectionMessage()]
 
 
 # --- taking stock ----------------------------------------------------------------------
