@@ -16,6 +16,7 @@ import pytest
 
 from timesliced.bench.cluster import LocalCluster, spawn_worker
 from timesliced.bench.common import double_grants, free_port, read_grants
+from timesliced.wire.status import problems
 
 from ..fakes.proxy import ProxyMesh
 
@@ -37,7 +38,9 @@ def test_three_daemons_elect_one_leader_and_forward(tmp_path: Path) -> None:
     with LocalCluster(tmp_path, 3) as cluster:
         cluster.start_all()
         leader = cluster.leader()
-        statuses = {n: cluster.status(n)["cluster"] for n in cluster.names}
+        everything = {n: cluster.status(n) for n in cluster.names}
+        assert {n: problems(doc) for n, doc in everything.items()} == {n: [] for n in cluster.names}  # followers too
+        statuses = {n: doc["cluster"] for n, doc in everything.items()}
         assert {s["leader"] for s in statuses.values()} == {leader}
         assert [n for n, s in statuses.items() if s["leading"]] == [leader]
         # two jobs, each with a process on both followers, take turns through forwarding

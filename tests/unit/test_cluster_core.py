@@ -8,8 +8,12 @@ from typing import Any
 import pytest
 
 from timesliced import errors
-from timesliced.cluster.node import PENDING, ClusterNode, Fail, Reply, Send
+from timesliced.cluster.asks import Acquire, Alloc, Closed, Gone, MoveDone, Register, Release
+from timesliced.cluster.effects import Fail, Reply, Send
+from timesliced.cluster.messages import Req
+from timesliced.cluster.node import PENDING, ClusterNode
 from timesliced.cluster.orchestrator import Orchestrator
+from timesliced.cluster.report import NodeReport
 
 ERA = (3, 1)
 NOW = 100.0
@@ -29,6 +33,7 @@ def job(name: str, group: str, location: str, footprint: dict[str, int], span: l
 
 
 def report(jobs: list[dict[str, Any]], sessions: list[tuple[int, str]], **kw: Any) -> dict[str, Any]:
+    """A node's report as it travels (``rebuild`` takes it read: ``reports_of``)."""
     return {
         "devices": {"0": 100},
         "sessions": [{"conn": c, "job": j, "pids": []} for c, j in sessions],
@@ -36,11 +41,29 @@ def report(jobs: list[dict[str, Any]], sessions: list[tuple[int, str]], **kw: An
         "holders": kw.get("holders", []),
         "waiting": kw.get("waiting", []),
         "fences": kw.get("fences", {}),
+        "turns": kw.get("turns", []),
     }
 
 
+def reports_of(reports: dict[int, dict[str, Any]]) -> dict[int, NodeReport]:
+    return {slot: NodeReport.from_wire(r) for slot, r in reports.items()}
+
+
 def messages(orch: Orchestrator, kind: str) -> list[tuple[int, dict[str, Any]]]:
-    return [(o.slot, o.message) for o in orch.drain() if o.message["k"] == kind]
+    """The orchestrator's messages of ``kind`` so far, as they travel."""
+    return [(o.slot, o.message.to_wire()) for o in orch.drain() if kind == o.message.K]
+
+
+def acquire(orch: Orchestrator, slot: int, conn: int, rid: int) -> None:
+    orch.handle(slot, Acquire(conn, rid), NOW)
+
+
+def alloc(orch: Orchestrator, slot: int, conn: int, rid: int, nbytes: int = 60) -> None:
+    orch.handle(slot, Alloc(conn, rid, 0, nbytes, nbytes), NOW)
+
+
+def done(orch: Orchestrator, slot: int, op: int, nbytes: int = 60, now: float = NOW) -> None:
+    orch.handle(slot, MoveDone(op, True, nbytes, 0.1), now)
 
 
 # --- rebuild ------------------------------------------------------------------------------
@@ -64,7 +87,7 @@ def test_rebuild_keeps_the_holder_its_fence_and_the_queue_in_the_old_order() -> 
             fences={"g": 7},
         ),
     }
-    orch, problems = Orchestrator.rebuild(ERA, reports, [], NOW)
+    orch, problems = Orchestrator.rebuild(ERA, reports_of(reports), [], NOW)
     assert problems == []
     g = orch.scheduler.groups["g"]
     assert (g.holder, g.fence, g.gpus) == ("A", 7, (0, 100))
@@ -77,7 +100,7 @@ def test_rebuild_keeps_the_holder_its_fence_and_the_queue_in_the_old_order() -> 
 def test_rebuild_freezes_groups_on_a_node_that_did_not_report() -> None:
     reports = {0: report([job("A", "g", "parked", {"0": 40}, [0, 200])], [(1, "A")])}
     reports[0]["waiting"] = [{"conn": 1, "rid": 1, "seq": None, "order": 1, "deadline_in": None}]
-    orch, _ = Orchestrator.rebuild(ERA, reports, [2], NOW)
+    orch, _ = Orchestrator.rebuild(ERA, reports_of(reports), [2], NOW)
     assert orch.scheduler.frozen("g")
     assert messages(orch, "move") == [] and messages(orch, "grant") == []  # nothing moves, nothing granted
 
@@ -92,7 +115,7 @@ def test_rebuild_parks_a_half_switched_job_before_granting_it() -> None:
             waiting=[{"conn": 1, "rid": 1, "seq": 3, "order": 1, "deadline_in": None}],
         ),
     }
-    orch, _ = Orchestrator.rebuild(ERA, reports, [], NOW)
+    orch, _ = Orchestrator.rebuild(ERA, reports_of(reports), [], NOW)
     a = orch.scheduler.jobs["A"]
     assert a.location.value == "parking"
     assert a.footprint == {100: 60}  # what the GPUs hold now
@@ -100,7 +123,7 @@ def test_rebuild_parks_a_half_switched_job_before_granting_it() -> None:
     assert {slot for slot, _ in moves} == {0, 1} and {m["kind"] for _, m in moves} == {"snapshot"}
     op = moves[0][1]["op"]
     for slot in (0, 1):
-        orch.handle(slot, "move_done", {"op": op, "ok": True, "nbytes": 60, "seconds": 0.1}, NOW + 1)
+        done(orch, slot, op, now=NOW + 1)
     assert orch.scheduler.jobs["A"].footprint == {0: 60, 100: 60}  # all of it once parked everywhere
     assert {m["kind"] for _, m in messages(orch, "move")} == {"restore"}  # then it comes back for its grant
 
@@ -110,7 +133,7 @@ def test_rebuild_continues_fences_above_what_any_node_saw() -> None:
         0: report([job("A", "g", "resident", {}, [0])], [(1, "A")], fences={"g": 41}),
     }
     reports[0]["waiting"] = [{"conn": 1, "rid": 1, "seq": None, "order": 1, "deadline_in": None}]
-    orch, _ = Orchestrator.rebuild(ERA, reports, [], NOW, fence_floor={"g": 50})
+    orch, _ = Orchestrator.rebuild(ERA, reports_of(reports), [], NOW, fence_floor={"g": 50})
     ((_, grant),) = messages(orch, "grant")
     assert grant["info"]["fence"] == 51 and grant["info"]["term"] == ERA[0] and grant["era"] == list(ERA)
 
@@ -128,7 +151,7 @@ def test_rebuild_tells_a_second_claimed_holder_it_lost_the_lock() -> None:
             holders=[{"group": "g", "job": "B", "fence": 5, "conns": [1]}],
         ),
     }
-    orch, _ = Orchestrator.rebuild(ERA, reports, [], NOW)
+    orch, _ = Orchestrator.rebuild(ERA, reports_of(reports), [], NOW)
     assert orch.scheduler.groups["g"].holder == "B"
     lost = [(s, m) for s, m in messages(orch, "notify") if m["event"] == "lock_lost"]
     assert lost == [(0, {"k": "notify", "job": "A", "event": "lock_lost", "data": lost[0][1]["data"], "era": [3, 1]})]
@@ -141,46 +164,46 @@ def two_node_orchestrator() -> Orchestrator:
     orch = Orchestrator(ERA, {0: 100, 100: 100}, op_timeout=10.0)
     for slot in (0, 1):
         for conn, name in ((1, "A"), (2, "B")):
-            orch.handle(slot, "register", {"conn": conn, "job": name, "group": "g", "gpus": [0]}, NOW)
+            orch.handle(slot, Register(conn, 1, name, "g", (0,)), NOW)
     orch.drain()
     return orch
 
 
 def test_a_move_finishes_when_every_node_did_its_part() -> None:
     orch = two_node_orchestrator()
-    orch.handle(0, "acquire", {"conn": 1, "rid": 1, "timeout": None}, NOW)
-    orch.handle(0, "alloc", {"conn": 1, "rid": 2, "gpu": 0, "nbytes": 60, "requested": 60}, NOW)
-    orch.handle(0, "release", {"conn": 1}, NOW)
-    orch.handle(0, "acquire", {"conn": 2, "rid": 3, "timeout": None}, NOW)
-    orch.handle(0, "alloc", {"conn": 2, "rid": 4, "gpu": 0, "nbytes": 60, "requested": 60}, NOW)
+    acquire(orch, 0, 1, 1)
+    alloc(orch, 0, 1, 2)
+    orch.handle(0, Release(1, 3), NOW)
+    acquire(orch, 0, 2, 3)
+    alloc(orch, 0, 2, 4)
     moves = messages(orch, "move")
     assert [(s, m["kind"], m["job"]) for s, m in moves] == [(0, "snapshot", "A"), (1, "snapshot", "A")]
     op = moves[0][1]["op"]
-    orch.handle(0, "move_done", {"op": op, "ok": True, "nbytes": 60, "seconds": 0.2}, NOW + 1)
+    done(orch, 0, op, now=NOW + 1)
     assert orch.scheduler.jobs["A"].location.value == "parking"  # node 1 has not answered yet
-    orch.handle(1, "move_done", {"op": op, "ok": True, "nbytes": 0, "seconds": 0.1}, NOW + 1)
+    done(orch, 1, op, nbytes=0, now=NOW + 1)
     assert orch.scheduler.jobs["A"].location.value == "parked"
     assert orch.scheduler.jobs["A"].bytes_moved == 60
 
 
 def test_a_node_that_drops_off_mid_restore_faults_the_job_and_keeps_its_memory() -> None:
     orch = two_node_orchestrator()
-    orch.handle(0, "acquire", {"conn": 1, "rid": 1, "timeout": None}, NOW)
-    orch.handle(0, "alloc", {"conn": 1, "rid": 2, "gpu": 0, "nbytes": 60, "requested": 60}, NOW)
-    orch.handle(0, "release", {"conn": 1}, NOW)
-    orch.handle(0, "acquire", {"conn": 2, "rid": 3, "timeout": None}, NOW)
-    orch.handle(0, "alloc", {"conn": 2, "rid": 4, "gpu": 0, "nbytes": 60, "requested": 60}, NOW)
+    acquire(orch, 0, 1, 1)
+    alloc(orch, 0, 1, 2)
+    orch.handle(0, Release(1, 3), NOW)
+    acquire(orch, 0, 2, 3)
+    alloc(orch, 0, 2, 4)
     (op,) = {m["op"] for _, m in messages(orch, "move")}
     for slot in (0, 1):
-        orch.handle(slot, "move_done", {"op": op, "ok": True, "nbytes": 60, "seconds": 0.1}, NOW)
-    orch.handle(0, "release", {"conn": 2}, NOW)
-    orch.handle(0, "acquire", {"conn": 1, "rid": 5, "timeout": None}, NOW)  # A comes back: B is parked first
+        done(orch, slot, op)
+    orch.handle(0, Release(2, 5), NOW)
+    acquire(orch, 0, 1, 5)  # A comes back: B is parked first
     (snap,) = {m["op"] for _, m in messages(orch, "move")}
     for slot in (0, 1):
-        orch.handle(slot, "move_done", {"op": snap, "ok": True, "nbytes": 60, "seconds": 0.1}, NOW)
+        done(orch, slot, snap)
     restore = {m["op"] for _, m in messages(orch, "move") if m["kind"] == "restore"}
     assert len(restore) == 1
-    orch.handle(0, "move_done", {"op": restore.pop(), "ok": True, "nbytes": 60, "seconds": 0.1}, NOW)
+    done(orch, 0, restore.pop())
     orch.node_offline(1, NOW + 1)
     a = orch.scheduler.jobs["A"]
     assert a.faulted.startswith("restore failed: node 1 is out of reach")
@@ -193,28 +216,28 @@ def test_a_node_that_drops_off_mid_restore_faults_the_job_and_keeps_its_memory()
 
 def test_a_group_stops_spanning_a_node_its_last_job_left() -> None:
     orch = Orchestrator(ERA, {0: 100, 100: 100, 200: 100})
-    orch.handle(0, "register", {"conn": 1, "job": "A", "group": "g", "gpus": [0]}, NOW)
-    orch.handle(1, "register", {"conn": 1, "job": "A", "group": "g", "gpus": [0]}, NOW)
-    orch.handle(2, "register", {"conn": 1, "job": "B", "group": "g", "gpus": [0]}, NOW)
+    orch.handle(0, Register(1, 1, "A", "g", (0,)), NOW)
+    orch.handle(1, Register(1, 1, "A", "g", (0,)), NOW)
+    orch.handle(2, Register(1, 1, "B", "g", (0,)), NOW)
     assert orch.scheduler.groups["g"].gpus == (0, 100, 200)
-    orch.handle(2, "closed", {"conn": 1}, NOW)
-    orch.handle(2, "gone", {"job": "B"}, NOW)
+    orch.handle(2, Closed(1), NOW)
+    orch.handle(2, Gone("B"), NOW)
     orch.drain()
     (reclaim,) = [m for m in orch.scheduler._moves.values() if m.kind == "reclaim"]
-    orch.handle(2, "move_done", {"op": reclaim.op, "ok": True}, NOW)
+    orch.handle(2, MoveDone(reclaim.op, True), NOW)
     assert orch.scheduler.groups["g"].gpus == (0, 100)
     spans = messages(orch, "span")
     assert sorted(s for s, _ in spans) == [0, 1] and spans[0][1]["gpus"] == [0, 100]
     # with its last job gone too, the group is forgotten; its fence stays the floor
     orch.scheduler.groups["g"].fence = 9
     for slot in (0, 1):
-        orch.handle(slot, "closed", {"conn": 1}, NOW)
-        orch.handle(slot, "gone", {"job": "A"}, NOW)
+        orch.handle(slot, Closed(1), NOW)
+        orch.handle(slot, Gone("A"), NOW)
     (reclaim,) = [m for m in orch.scheduler._moves.values() if m.kind == "reclaim"]
     for slot in (0, 1):
-        orch.handle(slot, "move_done", {"op": reclaim.op, "ok": True}, NOW)
+        orch.handle(slot, MoveDone(reclaim.op, True), NOW)
     assert "g" not in orch.scheduler.groups and orch.fence_floor == {"g": 9}
-    orch.handle(2, "register", {"conn": 2, "job": "C", "group": "g", "gpus": [0]}, NOW)
+    orch.handle(2, Register(2, 1, "C", "g", (0,)), NOW)
     assert orch.scheduler.groups["g"].gpus == (200,) and orch.scheduler.groups["g"].fence == 9
 
 
@@ -237,11 +260,12 @@ def follow(n: ClusterNode, leader: str, term: int, gen: int = 1) -> None:
 
 
 def registered(n: ClusterNode, leader: str, term: int, conn: int = 1) -> None:
-    assert n.request(conn, 1, "register", {"job": "A", "group": "g", "gpus": [0]}, 0.2) is PENDING
+    assert n.request(Register(conn, 1, "A", "g", (0,)), 0.2) is PENDING
     (send,) = [e for e in n.drain() if isinstance(e, Send)]
-    assert send.to == leader and send.message["k"] == "req" and send.message["era"] == [term, 1]
+    assert send.to == leader and isinstance(send.message, Req) and send.message.era == (term, 1)
     result = {"job": "A", "group": "g", "gpus": [100], "location": "resident"}
-    n.receive(leader, {"k": "res", "id": send.message["id"], "ok": True, "result": result, "era": [term, 1]}, 0.2)
+    res = {"k": "res", "id": send.message.id, "op": "register", "ok": True, "result": result, "era": [term, 1]}
+    n.receive(leader, res, 0.2)
     (reply,) = n.drain()
     assert isinstance(reply, Reply) and reply.result["gpus"] == [0]
 
@@ -255,7 +279,7 @@ def test_a_node_refuses_directions_from_anyone_but_its_leader_in_its_era() -> No
     n = node()
     follow(n, "a", 2)
     registered(n, "a", 2)
-    n.request(1, 2, "acquire", {"timeout": None}, 0.3)
+    n.request(Acquire(1, 2), 0.3)
     n.drain()
     n.receive("c", grant(2, 1, 2), 0.3)  # not the leader
     n.receive("a", {**grant(2, 1, 2), "era": [2, 0]}, 0.3)  # an older era of the leader
@@ -269,10 +293,10 @@ def test_a_node_never_delivers_an_older_grant_of_a_group() -> None:
     n = node()
     follow(n, "a", 2)
     registered(n, "a", 2)
-    n.request(1, 2, "acquire", {"timeout": None}, 0.3)
+    n.request(Acquire(1, 2), 0.3)
     n.receive("a", grant(2, 5, 2), 0.3)
-    n.request(1, 3, "release", {}, 0.3)
-    n.request(1, 4, "acquire", {"timeout": None}, 0.3)
+    n.request(Release(1, 3), 0.3)
+    n.request(Acquire(1, 4), 0.3)
     n.drain()
     n.receive("a", grant(2, 4, 4), 0.3)  # a fence below the last one delivered
     n.receive("a", grant(2, 5, 4), 0.3)  # the same fence, not as "again"
@@ -290,11 +314,11 @@ def test_a_new_leaders_sync_is_answered_with_a_report_once_moves_are_done() -> N
     # a new leader in term 3 asks for a report while the snapshot runs
     n.receive("c", {"k": "elect", "m": {"type": "heartbeat", "term": 3, "leader": "c", "sent_at": 0.0}}, 0.5)
     n.receive("c", {"k": "sync", "era": [3, 1]}, 0.5)
-    assert not [e for e in n.drain() if isinstance(e, Send) and e.message["k"] == "report"]
+    assert not [e for e in n.drain() if isinstance(e, Send) and e.message.K == "report"]
     n.move_finished(run.key, True, 60, 0.1, "", 0.6)
     sends = [e for e in n.drain() if isinstance(e, Send)]
-    assert [(s.to, s.message["k"]) for s in sends] == [("c", "report")]  # the old era's move_done goes nowhere
-    (j,) = sends[0].message["report"]["jobs"]
+    assert [(s.to, s.message.K) for s in sends] == [("c", "report")]  # the old era's move_done goes nowhere
+    (j,) = sends[0].message.to_wire()["report"]["jobs"]
     assert (j["job"], j["location"]) == ("A", "parked")
     n.receive("a", grant(2, 9, 2), 0.7)  # the deposed leader can no longer grant
     assert n.drain() == [] and n.refused == 1
@@ -302,26 +326,27 @@ def test_a_new_leaders_sync_is_answered_with_a_report_once_moves_are_done() -> N
 
 def test_requests_wait_for_a_leader_and_fail_cleanly_when_refused() -> None:
     n = node()
-    assert n.request(1, 1, "register", {"job": "A", "group": "g", "gpus": [0]}, 0.1) is PENDING
-    assert [e for e in n.drain() if isinstance(e, Send) and e.message["k"] == "req"] == []  # no leader yet
+    assert n.request(Register(1, 1, "A", "g", (0,)), 0.1) is PENDING
+    assert [e for e in n.drain() if isinstance(e, Send) and isinstance(e.message, Req)] == []  # no leader yet
     follow(n, "a", 2)
     n.receive("a", {"k": "ready", "era": [2, 1]}, 0.2)
-    req = next(e for e in n.drain() if isinstance(e, Send) and e.message["k"] == "req")
+    req = next(e.message for e in n.drain() if isinstance(e, Send) and isinstance(e.message, Req))
     error = errors.to_wire(errors.GroupMismatch("no"))
-    n.receive("a", {"k": "res", "id": req.message["id"], "ok": False, "error": error, "era": [2, 1]}, 0.3)
+    res = {"k": "res", "id": req.id, "op": "register", "ok": False, "error": error, "era": [2, 1]}
+    n.receive("a", res, 0.3)
     (fail,) = n.drain()
     assert isinstance(fail, Fail) and isinstance(fail.error, errors.GroupMismatch)
     with pytest.raises(errors.NotRegistered):
-        n.request(1, 2, "acquire", {"timeout": None}, 0.3)
+        n.request(Acquire(1, 2), 0.3)
 
 
 def test_a_single_node_leads_at_once_and_answers_within_the_call() -> None:
     n = ClusterNode("solo", ("solo",), {0: 100, 1: 100}, rng=random.Random(1))
     n.start(0.0)
     assert n.leading and n.ready
-    result = n.request(1, 1, "register", {"job": "A", "group": "g", "gpus": None}, 0.1)
+    result = n.request(Register(1, 1, "A", "g"), 0.1)
     assert result["gpus"] == [0, 1]
-    assert n.request(1, 2, "acquire", {"timeout": None}, 0.1) is PENDING
+    assert n.request(Acquire(1, 2), 0.1) is PENDING
     (reply,) = [e for e in n.drain() if isinstance(e, Reply)]
     assert reply.rid == 2 and reply.result["fence"] == 1 and reply.result["term"] == 1
     assert [type(e).__name__ for e in n.drain()] == []
@@ -329,12 +354,12 @@ def test_a_single_node_leads_at_once_and_answers_within_the_call() -> None:
 
 def test_a_leader_that_takes_stock_again_keeps_its_figures() -> None:
     reports = {0: report([job("A", "g", "resident", {}, [0])], [(1, "A")])}
-    old, _ = Orchestrator.rebuild(ERA, reports, [], NOW)
+    old, _ = Orchestrator.rebuild(ERA, reports_of(reports), [], NOW)
     for rid in (2, 4, 6):
-        old.handle(0, "acquire", {"conn": 1, "rid": rid, "timeout": None}, NOW)
-        old.handle(0, "release", {"conn": 1}, NOW + 1)
+        old.handle(0, Acquire(1, rid), NOW)
+        old.handle(0, Release(1, rid + 1), NOW + 1)
     reports[0]["fences"] = {"g": 3}
-    new, _ = Orchestrator.rebuild((3, 2), reports, [], NOW + 2)
+    new, _ = Orchestrator.rebuild((3, 2), reports_of(reports), [], NOW + 2)
     assert (new.scheduler.groups["g"].grants, new.scheduler.jobs["A"].slices) == (0, 0)
     new.scheduler.carry_figures(old.scheduler)
     g = new.scheduler.groups["g"]
@@ -348,9 +373,9 @@ def test_a_restarted_node_keeps_the_holders_turn_first_then_the_queue_order() ->
     old = ClusterNode("solo", ("solo",), {0: 100}, rng=random.Random(1))
     old.start(0.0)
     for conn, name in ((1, "A"), (2, "B"), (3, "C")):
-        old.request(conn, 1, "register", {"job": name, "group": "g", "gpus": None, "pids": [100 + conn]}, 0.1)
+        old.request(Register(conn, 1, name, "g", pids=(100 + conn,)), 0.1)
     for conn in (1, 3, 2):  # A is granted, then C and B wait, in that order
-        old.request(conn, 2, "acquire", {"timeout": None}, 0.2)
+        old.request(Acquire(conn, 2), 0.2)
     picture = old.durable(0.3)
     assert picture["turns"] == {"A": -1, "C": 2, "B": 3}  # the holder, then the order the leader queued them
     assert {j["job"]: j["pids"] for j in picture["jobs"]} == {"A": [101], "B": [102], "C": [103]}
@@ -362,15 +387,15 @@ def test_a_restarted_node_keeps_the_holders_turn_first_then_the_queue_order() ->
     assert sched is not None and [w.job for w in sched.groups["g"].queue] == ["A", "C", "B"]
     assert sched.groups["g"].fence >= 1  # new grants go above the ones given before the restart
     # B comes back first, but A's kept turn holds the group until A asks again.
-    new.request(7, 1, "register", {"job": "B", "group": "g", "gpus": None, "pids": [102]}, 11.0)
-    new.request(7, 2, "acquire", {"timeout": None}, 11.0)
+    new.request(Register(7, 1, "B", "g", pids=(102,)), 11.0)
+    new.request(Acquire(7, 2), 11.0)
     assert not [e for e in new.drain() if isinstance(e, Reply) and e.rid == 2]
-    new.request(8, 1, "register", {"job": "A", "group": "g", "gpus": None, "pids": [101]}, 12.0)
-    new.request(8, 2, "acquire", {"timeout": None}, 12.0)
+    new.request(Register(8, 1, "A", "g", pids=(101,)), 12.0)
+    new.request(Acquire(8, 2), 12.0)
     (grant,) = [e for e in new.drain() if isinstance(e, Reply) and e.rid == 2]
     assert grant.conn == 8 and grant.result["job"] == "A"
     # C never comes back: its turn lapses, and B is next once A yields.
-    new.request(8, 3, "release", {}, 13.0)
+    new.request(Release(8, 3), 13.0)
     new.handle_timers(40.0)
     (grant,) = [e for e in new.drain() if isinstance(e, Reply) and e.rid == 2]
     assert grant.conn == 7 and grant.result["job"] == "B"

@@ -1,9 +1,10 @@
 """Cluster cores (election + scheduler + forwarding) on an in-memory network, with seeded chaos.
 
 Each node is a ``ClusterNode`` whose shell is played by ``Cluster``: it carries
-out the node's effects in order (``Persist`` into durable state, ``Send`` into a
-FIFO link that may be cut, moves and allocations after a short random delay),
-fires timers at ``next_deadline()``, and runs clients on every node that
+out the node's effects in order (``Persist`` into durable state, ``Send`` as its
+wire map through msgpack into a FIFO link that may be cut, moves and allocations
+after a short random delay), keeps one timer armed at ``next_deadline()`` as the
+daemon does (arming it again cancels the last), and runs clients on every node that
 register, acquire, hold for a while, release and acquire again. Some jobs span
 two nodes (one client on each).
 
@@ -33,17 +34,12 @@ from typing import Any
 
 import pytest
 
-from timesliced.cluster.node import (
-    PENDING,
-    Allocate,
-    ClusterNode,
-    Fail,
-    Push,
-    Reply,
-    RunMove,
-    Send,
-)
-from timesliced.core.election import Persist, Persisted
+from timesliced import errors
+from timesliced.cluster.asks import Acquire, Alloc, Register, Release, Request
+from timesliced.cluster.effects import Allocate, Fail, Push, Reply, RunMove, Send
+from timesliced.cluster.node import PENDING, ClusterNode
+from timesliced.core.election import Persist, Persisted, Role
+from timesliced.wire.codec import HEADER, decode_body, encode
 
 CAPACITY = 100
 FOOTPRINT = 60  # two jobs never fit on one GPU together: every handover moves
@@ -72,6 +68,8 @@ class Box:
     core: ClusterNode | None = None
     persisted: Persisted = field(default_factory=Persisted)
     life: int = 0
+    timer: int = 0  # the armed timer (a later one cancels it), as the daemon keeps one ``call_at``
+    timer_at: float | None = None
 
 
 class Cluster:
@@ -166,18 +164,25 @@ class Cluster:
                 core.link(dst, up, self.now)
                 self.apply(src)
 
-    def fire(self, name: str, life: int) -> None:
+    def fire(self, name: str, life: int, timer: int) -> None:
         box = self.boxes[name]
-        if box.core is None or box.life != life:
-            return
+        if box.core is None or box.life != life or box.timer != timer:
+            return  # the node died, or its timer was armed again since
+        box.timer_at = None
         box.core.handle_timers(self.now)
         self.apply(name)
 
     def arm(self, name: str) -> None:
+        """Keep one timer armed at the node's next deadline (the daemon's ``_rearm_timer``)."""
         box = self.boxes[name]
         deadline = box.core.next_deadline() if box.core else None
+        if deadline == box.timer_at:
+            return
+        box.timer += 1
+        box.timer_at = deadline
         if deadline is not None:
-            self.at(max(deadline, self.now), lambda n=name, life=box.life: self.fire(n, life))
+            timer = box.timer
+            self.at(max(deadline, self.now), lambda n=name, life=box.life, t=timer: self.fire(n, life, t))
 
     def apply(self, name: str) -> None:
         box = self.boxes[name]
@@ -192,7 +197,9 @@ class Cluster:
                     link = (name, effect.to)
                     when = max(self.now + self.rng.uniform(0.001, 0.02), self.link_clock.get(link, 0.0))
                     self.link_clock[link] = when  # FIFO per link, as TCP
-                    self.at(when, lambda s=name, e=effect, life=box.life: self.deliver(s, e, life))
+                    # as the transport carries it: the wire map, through msgpack
+                    wire = decode_body(encode(effect.message.to_wire())[HEADER.size :])
+                    self.at(when, lambda s=name, to=effect.to, m=wire, life=box.life: self.deliver(s, to, m, life))
             elif isinstance(effect, Reply):
                 self.on_reply(name, effect.conn, effect.rid, effect.result)
             elif isinstance(effect, Fail):
@@ -211,15 +218,15 @@ class Cluster:
                 self.on_reply(name, effect.conn, effect.rid, {"region": 1})
         self.arm(name)
 
-    def deliver(self, sender: str, effect: Send, life: int) -> None:
+    def deliver(self, sender: str, to: str, message: dict[str, Any], life: int) -> None:
         # FIFO per link: delays are drawn per message but a cut drops everything in flight
-        if (sender, effect.to) in self.cut or self.boxes[sender].life != life:
+        if (sender, to) in self.cut or self.boxes[sender].life != life:
             return
-        core = self.boxes[effect.to].core
+        core = self.boxes[to].core
         if core is None:
             return
-        core.receive(sender, effect.message, self.now)
-        self.apply(effect.to)
+        core.receive(sender, message, self.now)  # a MalformedPeerMessage here is a bug: no peer here sends one
+        self.apply(to)
 
     def move_done(self, name: str, effect: RunMove, life: int) -> None:
         box = self.boxes[name]
@@ -240,13 +247,13 @@ class Cluster:
     def client_of(self, node: str, conn: int) -> Client | None:
         return next((c for c in self.clients if c.node == node and c.conn == conn and c.state != "dead"), None)
 
-    def call(self, c: Client, op: str, args: dict[str, Any]) -> None:
+    def call(self, c: Client, ask: type[Request], *args: Any) -> None:
         core = self.boxes[c.node].core
         assert core is not None
         c.rid += 1
         try:
-            result = core.request(c.conn, c.rid, op, args, self.now)
-        except Exception as exc:
+            result = core.request(ask(c.conn, c.rid, *args), self.now)
+        except errors.TimeslicedError as exc:
             self.apply(c.node)
             self.on_fail(c.node, c.conn, c.rid, exc)
             return
@@ -259,20 +266,20 @@ class Cluster:
             return
         if c.state == "new":
             c.state = "registering"
-            self.call(c, "register", {"job": c.job, "group": c.group, "gpus": [0], "pids": [], "exclusive": False})
+            self.call(c, Register, c.job, c.group, (0,))
         elif c.state == "idle":
             c.state = "waiting"
             c.waiting_since = self.now
-            self.call(c, "acquire", {"timeout": None})
+            self.call(c, Acquire)
         elif c.state == "holding":
             if not c.allocated:
                 c.allocated = True
-                self.call(c, "alloc", {"gpu": 0, "nbytes": FOOTPRINT, "requested": FOOTPRINT})
+                self.call(c, Alloc, 0, FOOTPRINT, FOOTPRINT)
                 return
             self.drop_holding(c)
             c.state = "idle"
             c.next_at = self.now + self.rng.uniform(0.0, 0.2)
-            self.call(c, "release", {})
+            self.call(c, Release)
             self.at(c.next_at, lambda: self.client_step(c))
 
     def drop_holding(self, c: Client) -> None:
@@ -337,7 +344,7 @@ class Cluster:
     def check(self) -> None:
         for box in self.boxes.values():
             core = box.core
-            if core is not None and core.election.role.value == "leader":
+            if core is not None and core.election.role is Role.LEADER:
                 term = core.election.term
                 assert self.leaders.setdefault(term, box.name) == box.name, f"two leaders in term {term}"
         for node in self.names:
@@ -374,7 +381,7 @@ def test_quiet_cluster_grants_in_turn_across_nodes() -> None:
     assert len(cluster.grant_log) >= 40
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_chaos_keeps_one_holder_and_loses_no_acquire(seed: int) -> None:
     cluster = Cluster(["a", "b", "c"], seed, JOBS)
     rng = random.Random(seed * 7919)
@@ -409,3 +416,36 @@ def test_chaos_keeps_one_holder_and_loses_no_acquire(seed: int) -> None:
     after = progress(cluster)
     stuck = {k: v for k, v in after.items() if v <= before.get(k, 0)}
     assert not stuck, f"clients not granted after healing: {stuck}; before {before}"
+
+
+# --- the checker itself can fail ---------------------------------------------------------------
+
+
+class SkipsSnapshots(Cluster):
+    """A broken shell: it says a snapshot is done but leaves the job's memory on the GPU."""
+
+    def move_done(self, name: str, effect: RunMove, life: int) -> None:
+        if effect.kind == "snapshot":
+            box = self.boxes[name]
+            if box.core is not None and box.life == life:
+                box.core.move_finished(effect.key, True, FOOTPRINT, 0.01, "", self.now)
+                self.apply(name)
+            return
+        super().move_done(name, effect, life)
+
+
+class GrantsTwice(Cluster):
+    """A broken shell: a grant also reaches another waiting client of the group, on any node."""
+
+    def on_grant(self, c: Client, info: dict[str, Any]) -> None:
+        super().on_grant(c, info)
+        other = next((o for o in self.clients if o.group == c.group and o.job != c.job and o.state == "waiting"), None)
+        if other is not None:
+            super().on_grant(other, info)
+
+
+@pytest.mark.parametrize(("broken", "match"), [(SkipsSnapshots, "over capacity|resident"), (GrantsTwice, "hold it")])
+def test_the_checker_catches_a_broken_shell(broken: type[Cluster], match: str) -> None:
+    cluster = broken(["a", "b", "c"], 1, JOBS)
+    with pytest.raises(AssertionError, match=match):
+        cluster.run_until(20.0)

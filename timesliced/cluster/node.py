@@ -1,27 +1,32 @@
-"""One daemon's part in the cluster (pure): election, forwarding, fencing, and the leader's orchestrator.
+"""One daemon's part in the cluster (pure): election, forwarding, fencing; the leader's half is ``leader.py``.
 
-Every daemon runs a ``ClusterNode``. Its clients' requests go to the leader:
-directly, inside the same call, when this node leads; otherwise as ``req``
-messages whose answers come back later. What the leader decides comes back as
-messages (a grant, a move to carry out on this node's part of a job, an
-allocation) that this node turns into effects for its shell. A single daemon is
-a cluster of one that leads at once, so the same code serves both.
+Every daemon runs a ``ClusterNode``. Its clients' requests (typed: ``asks.py``) go to the leader:
+directly, inside the same call, when this node leads; otherwise as ``Req`` messages whose answers
+come back later. What the leader decides comes back as messages (a grant, a move to carry out on
+this node's part of a job, an allocation) that this node turns into effects for its shell. A
+single daemon is a cluster of one that leads at once, so the same code serves both.
 
-No I/O and no clock: inputs carry ``now``; outputs are effects (``drain()``),
-carried out front to back (a ``Persist`` must be durable before any later
-``Send``). ``next_deadline()`` says when to call ``handle_timers``.
+No I/O and no clock: inputs carry ``now``; outputs are effects (``drain()``), carried out front to
+back (a ``Persist`` must be durable before any later ``Send``). ``next_deadline()`` says when to
+call ``handle_timers``.
 
-Fencing: a node takes directions only from the leader its election core follows,
-in the era ``(term, gen)`` that leader opened with ``sync``; grants of a group
-must carry a ``(term, fence)`` at least as high as the last one it delivered.
-Everything else is refused and counted.
+Fencing: a node takes directions only from the leader its election core follows, in the era
+``(term, gen)`` that leader opened with ``Sync``; grants of a group must carry a ``(term, fence)``
+at least as high as the last one it delivered. Everything else is refused and counted.
 
-Leader change: the new leader sends ``sync``; every node answers with a
-``report`` of what it knows (its sessions, where each of its jobs' state lives,
-holders and their fences, waiting acquires with the order the last leader gave
-them) once its own moves have finished; the leader rebuilds its scheduler from
-the reports (``Orchestrator.rebuild``) and sends ``ready``, after which the
-nodes forward again, resending what was never answered.
+Leader change: the new leader sends ``Sync``; every node answers with a ``Report`` of what it
+knows (its sessions, where each of its jobs' state lives, holders and their fences, waiting
+acquires with the order the last leader gave them) once its own moves have finished; the leader
+rebuilds its scheduler from the reports and sends ``Ready``, after which the nodes forward again,
+resending what was never answered.
+
+Inputs that raise change nothing. ``receive`` reads a peer's message at the boundary and refuses a
+malformed one with ``MalformedPeerMessage``; a client's request that is refused raises
+``TimeslicedError`` before anything is forwarded. Past those, each handler checks everything it
+needs (lookups, location changes) before its first change, so any other exception is a bug, and
+it too leaves the node as it was. (A refusal from a leader this node is, like one that comes over
+the network, is an answer: the node's own part of the request stands — a release lets go, an
+acquire gives up a kept turn.)
 """
 
 from __future__ import annotations
@@ -32,87 +37,49 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import errors
-from ..core.election import BecameLeader, Election, LeaderChanged, Persist, Persisted, SteppedDown, message_from_wire
+from ..core.election import BecameLeader, Election, LeaderChanged, Persist, Persisted, SteppedDown
 from ..core.election import Send as ElectionSend
-from ..core.events import GrantLock
+from ..core.events import DrainRequested, ForceReleaseRequested
 from ..core.ids import gpu_slot, local_gpu
+from ..core.location import Cause, Location, moved
 from ..core.scheduler import AUTO, Scheduler, SlicePolicy
-from .orchestrator import Era, Orchestrator
+from ..wire import status
+from .asks import LATER, Acquire, Closed, Freed, Gone, MoveDone, Notice, Register, Registered, Release, Request
+from .effects import Allocate, Effect, Fail, Noted, Push, Reply, RunMove, Send
+from .fields import MalformedPeerMessage
+from .leader import Leader
+from .messages import (
+    Allotted,
+    Elect,
+    Era,
+    Failed,
+    Grant,
+    Move,
+    Note,
+    Notify,
+    PeerMessage,
+    Queued,
+    Ready,
+    Report,
+    Req,
+    Res,
+    Resync,
+    Span,
+    Sync,
+    message_from_wire,
+)
+from .report import NodeReport, ReportedHolder, ReportedJob, ReportedSession, ReportedTurn, ReportedWait
 
 PENDING = object()  # the answer to a request comes later, as a Reply or Fail effect
 
-LATER_OPS = ("acquire", "alloc")  # the reply comes as a grant, an allocation or a failure
-
-
-# --- effects ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Send:
-    to: str
-    message: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Reply:
-    conn: int
-    rid: int
-    result: Any
-
-
-@dataclass(frozen=True)
-class Fail:
-    conn: int
-    rid: int
-    error: errors.TimeslicedError
-
-
-@dataclass(frozen=True)
-class Push:
-    conns: tuple[int, ...]
-    event: str
-    data: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class RunMove:
-    """Carry out ``kind`` (snapshot, restore, reclaim) of this node's part of ``job``; answer ``move_finished(key)``."""
-
-    key: tuple[int, int, int]  # (term, gen, op)
-    kind: str
-    job: str
-
-
-@dataclass(frozen=True)
-class Allocate:
-    """Create a simulated region; on failure call ``freed`` so the leader's ledger gives the bytes back."""
-
-    conn: int
-    rid: int
-    job: str
-    gpu: int
-    nbytes: int
-    requested: int
-
-
-@dataclass(frozen=True)
-class RecordGrant:
-    """The leader granted (figures); ``grant`` is the scheduler's own."""
-
-    grant: GrantLock
-
-
-@dataclass(frozen=True)
-class Noted:
-    """Something for the log and the history: ``kind`` is leader, problem, faulted, slice_overdue or preempted."""
-
-    kind: str
-    text: str
-    job: str | None = None
-    group: str | None = None
-
-
-Effect = Send | Persist | Reply | Fail | Push | RunMove | Allocate | RecordGrant | Noted
+STARTED = {"snapshot": Cause.SNAPSHOT_STARTED, "restore": Cause.RESTORE_STARTED}
+FINISHED = {
+    ("snapshot", True): Cause.SNAPSHOT_DONE,
+    ("snapshot", False): Cause.SNAPSHOT_FAILED,  # the backend keeps it resident
+    ("restore", True): Cause.RESTORE_DONE,
+    ("restore", False): Cause.RESTORE_FAILED,  # the backend keeps it parked
+}
+NOTHING_TO_DO = {"snapshot": Location.PARKED, "restore": Location.RESIDENT}  # where a move has nothing to do
 
 
 # --- what this node knows --------------------------------------------------------------
@@ -124,7 +91,7 @@ class LocalJob:
     group: str
     exclusive: bool
     span: tuple[int, ...]  # the group's GPUs, cluster-wide ids
-    location: str = "resident"  # resident | parked | parking | restoring
+    location: Location = Location.RESIDENT  # changed only through ``moved`` (core/location.py)
     footprint: dict[int, int] = field(default_factory=dict)  # local GPU -> bytes (simulated memory)
     faulted: str = ""
     gone: bool = False  # reported: none of its processes on this node is alive
@@ -156,11 +123,10 @@ class Turn:
 
 
 @dataclass
-class Forwarded:
-    op: str
-    conn: int
-    rid: int
-    args: dict[str, Any]
+class Pending:
+    """A forwarded request without an answer; ``resent``: sent again in a later era."""
+
+    ask: Request
     resent: bool = False
 
 
@@ -188,7 +154,6 @@ class ClusterNode:
         self.node_id = node_id
         self.members = members
         self.slot = members.index(node_id)
-        self.majority = len(members) // 2 + 1
         self.devices = dict(devices)
         self.election = Election(
             node_id,
@@ -198,11 +163,15 @@ class ClusterNode:
             heartbeat_interval=heartbeat_interval,
             persisted=persisted,
         )
-        self.max_waiters = max_waiters
-        self.op_timeout = op_timeout
-        self.policies = dict(policies or {})
-        self.sync_timeout = sync_timeout if sync_timeout is not None else election_timeout[1]
-        # follower side
+        self.lead = Leader(
+            node_id,
+            members,
+            self.election,
+            max_waiters=max_waiters,
+            op_timeout=op_timeout,
+            sync_timeout=sync_timeout if sync_timeout is not None else election_timeout[1],
+            policies=dict(policies or {}),
+        )
         self.era: Era | None = None  # the era this node takes directions in
         self.leader: str | None = None  # who opened it
         self.ready = False  # the leader rebuilt its state with our report: forward to it
@@ -212,38 +181,35 @@ class ClusterNode:
         self.fences: dict[str, tuple[int, int]] = {}  # group -> highest (term, fence) delivered here
         self.waiting: dict[tuple[int, int], Waiting] = {}  # (conn, rid) -> acquire waiting for its grant
         self.turns: dict[str, Turn] = {}  # job -> its place, kept after a restart until it asks again
-        self._pending: dict[int, Forwarded] = {}  # forwarded requests without an answer, by req id
+        self.refused = 0
+        self._pending: dict[int, Pending] = {}  # forwarded requests without an answer, by req id
         self._sent: set[int] = set()  # which of them went to the current leader
-        self._notes: list[dict[str, Any]] = []  # one-way notices for the leader, held until ready
+        self._notes: list[Notice] = []  # one-way notices for the leader, held until ready
         self._moving: dict[tuple[int, int, int], tuple[str, str]] = {}  # key -> (kind, job)
         self._report_due = False
-        self._req = itertools.count(1)
+        self._next_req = 1
         self._order = itertools.count(1)
-        self.refused = 0
-        # leader side
-        self.orch: Orchestrator | None = None
-        self._gen = 0
-        self._fence_floor: tuple[int, dict[str, int]] = (0, {})  # (term, group -> highest fence given)
-        self._figures: Scheduler | None = None  # the scheduler of this leader's previous era, for its figures
-        self._collect: dict[str, dict[str, Any]] | None = None
-        self._collect_era: Era | None = None
-        self._collect_deadline = float("inf")
-        self._reporters: set[str] = set()
-        self.linked: set[str] = set()
-        self.problems: list[str] = []
         self._effects: list[Effect] = []
-        self._inbox: list[tuple[str, dict[str, Any]]] = []  # messages to this node from itself
+        self._inbox: list[tuple[str, PeerMessage]] = []  # messages to this node from itself
 
     # --- queries -------------------------------------------------------------------------
 
     @property
     def scheduler(self) -> Scheduler | None:
         """The cluster's scheduler, on the leader once it has rebuilt its state."""
-        return self.orch.scheduler if self.orch is not None else None
+        return self.lead.orch.scheduler if self.lead.orch is not None else None
 
     @property
     def leading(self) -> bool:
-        return self.orch is not None
+        return self.lead.orch is not None
+
+    @property
+    def linked(self) -> set[str]:
+        return self.lead.linked
+
+    @property
+    def problems(self) -> list[str]:
+        return self.lead.problems
 
     def local_gpus(self, job: str) -> tuple[int, ...]:
         return tuple(local_gpu(g) for g in self.jobs[job].span if gpu_slot(g) == self.slot)
@@ -253,13 +219,11 @@ class ClusterNode:
         return {g for h in self.holders.values() if h.job in self.jobs for g in self.local_gpus(h.job)}
 
     def next_deadline(self) -> float | None:
-        times = [t for t in (self.election.next_deadline(), self._collect_deadline) if t is not None]
-        if self.orch is not None and (d := self.orch.next_deadline()) is not None:
-            times.append(d)
+        times = [t for t in (self.election.next_deadline(), self.lead.next_deadline()) if t is not None]
         deadline = min(times, default=float("inf"))
         return None if deadline == float("inf") else deadline
 
-    def describe(self, now: float) -> dict[str, Any]:
+    def describe(self, now: float) -> status.ClusterCore:
         return {
             "node": self.node_id,
             "slot": self.slot,
@@ -270,8 +234,8 @@ class ClusterNode:
             "ready": self.ready,
             "leading": self.leading,
             "linked": sorted(self.linked),
-            "reporters": sorted(self._reporters) if self.leading else [],
-            "offline": sorted(self.members[s] for s in self.orch.offline) if self.orch else [],
+            "reporters": sorted(self.lead.reporters) if self.leading else [],
+            "offline": self.lead.offline(),
             "pending": len(self._pending),
             "refused": self.refused,
             "problems": self.problems[-20:],
@@ -287,55 +251,89 @@ class ClusterNode:
         self.election.start(now)
         self._pump(now)
 
-    def request(self, conn: int, rid: int, op: str, args: dict[str, Any], now: float) -> Any:
-        """A client's request (``args`` already checked); the result, ``PENDING``, or raises."""
-        if op == "register" and conn in self.sessions:
-            raise errors.AlreadyRegistered(f"this connection already registered job {self.sessions[conn]!r}")
-        if op != "register" and conn not in self.sessions:
-            raise errors.NotRegistered("register a job before using the lock")
-        if op == "acquire":
-            if rid == AUTO:
-                raise errors.BadRequest(f"request id {AUTO} is reserved")
-            timeout = args.get("timeout")
-            self.waiting[(conn, rid)] = Waiting(next(self._order), None if timeout is None else now + timeout)
-            self.turns.pop(self.sessions[conn], None)
-        elif op == "release":
-            self._let_go(conn, self.sessions[conn])
+    def request(self, ask: Request, now: float) -> Any:
+        """A client's request; the result, ``PENDING`` (a ``Reply`` or ``Fail`` comes later), or raises.
+
+        Raises ``TimeslicedError`` for a request this node or its leader refuses.
+        """
         try:
-            return self._forward(Forwarded(op, conn, rid, args), now)
-        except errors.TimeslicedError:
-            self.waiting.pop((conn, rid), None)
-            raise
+            return self._request(ask, now)
         finally:
             self._pump(now)
 
-    def admin(self, op: str, args: dict[str, Any], now: float) -> Any:
-        """An administrator's action; only the leader takes them (its dashboard)."""
-        if self.orch is None:
+    def _request(self, ask: Request, now: float) -> Any:
+        job = self.sessions.get(ask.conn)
+        if isinstance(ask, Register):
+            if job is not None:
+                raise errors.AlreadyRegistered(f"this connection already registered job {job!r}")
+        elif job is None:
+            raise errors.NotRegistered("register a job before using the lock")
+        if isinstance(ask, Acquire) and ask.rid == AUTO:
+            raise errors.BadRequest(f"request id {AUTO} is reserved")
+        if self.lead.orch is not None and self.ready:  # we lead: answer within this call
+            try:
+                result = self.lead.request(self.slot, ask, now)
+            except errors.TimeslicedError:
+                self._asked(ask, now, queued=False)
+                raise
+            if isinstance(ask, Register):
+                reply = self._register_reply(ask, result)
+                self._take_registered(ask, result)
+                return reply
+            self._asked(ask, now, queued=True)
+            return PENDING if isinstance(ask, LATER) else result
+        req = self._next_req
+        message = Req(self.era, req, ask) if self.ready and self.leader is not None and self.era else None
+        self._next_req += 1
+        self._pending[req] = Pending(ask)
+        self._asked(ask, now, queued=True)
+        if message is not None:
+            self._sent.add(req)
+            self._to_leader(message)
+        return PENDING
+
+    def _asked(self, ask: Request, now: float, *, queued: bool) -> None:
+        """This node's own part of a client's request (``queued``: the leader did not refuse it)."""
+        job = self.sessions.get(ask.conn)
+        if isinstance(ask, Acquire) and job is not None:
+            if queued:
+                deadline = None if ask.timeout is None else now + ask.timeout
+                self.waiting[(ask.conn, ask.rid)] = Waiting(next(self._order), deadline)
+            self.turns.pop(job, None)
+        elif isinstance(ask, Release) and job is not None:
+            self._let_go(ask.conn, job)
+
+    def admin(self, event: ForceReleaseRequested | DrainRequested, now: float) -> Any:
+        """An administrator's action; only the leader takes them (its dashboard). Raises ``TimeslicedError``."""
+        if self.lead.orch is None:
             leader = self.election.leader
             raise errors.BadRequest(
                 f"node {self.node_id!r} does not lead the cluster"
                 + (f"; use the dashboard of {leader!r}" if leader else " (no leader right now)")
             )
         try:
-            return self.orch.handle(self.slot, op, args, now)
+            return self.lead.admin(event, now)
         finally:
-            self._route_orch()
             self._pump(now)
 
     def closed(self, conn: int, now: float) -> None:
-        job_name = self.sessions.pop(conn, None)
-        for key in [k for k in self.waiting if k[0] == conn]:
+        job_name = self.sessions.get(conn)
+        waits = [k for k in self.waiting if k[0] == conn]
+        reqs = [r for r, p in self._pending.items() if p.ask.conn == conn]
+        # the leader may have registered it: it must hear of the close
+        registering = any(isinstance(self._pending[r].ask, Register) and r in self._sent for r in reqs)
+        notice = Closed(conn) if job_name is not None or registering else None
+        self.sessions.pop(conn, None)
+        for key in waits:
             del self.waiting[key]
-        registering = False  # the leader may have registered it: it must hear of the close
-        for req in [r for r, f in self._pending.items() if f.conn == conn]:
-            registering |= self._pending.pop(req).op == "register" and req in self._sent
+        for req in reqs:
+            del self._pending[req]
             self._sent.discard(req)
         if job_name is not None and job_name in self.jobs:
             self.jobs[job_name].sessions.discard(conn)
             self._let_go(conn, job_name)
-        if job_name is not None or registering:
-            self._note("closed", {"conn": conn}, now)
+        if notice is not None:
+            self._note(notice)
         self._pump(now)
 
     def _let_go(self, conn: int, job_name: str) -> None:
@@ -349,6 +347,7 @@ class ClusterNode:
 
     def freed(self, job: str, gpu: int, nbytes: int, now: float) -> None:
         """Simulated memory of ``job`` on local ``gpu`` was freed (or an allocation failed)."""
+        notice = Freed(job, gpu, nbytes)
         local = self.jobs.get(job)
         if local is not None:
             left = local.footprint.get(gpu, 0) - nbytes
@@ -356,7 +355,7 @@ class ClusterNode:
                 local.footprint[gpu] = left
             else:
                 local.footprint.pop(gpu, None)
-        self._note("freed", {"job": job, "gpu": gpu, "nbytes": nbytes}, now)
+        self._note(notice)
         self._pump(now)
 
     def gone(self, job: str, now: float) -> None:
@@ -364,181 +363,178 @@ class ClusterNode:
         local = self.jobs.get(job)
         if local is None or local.gone:
             return
+        notice = Gone(job)
         local.gone = True
-        self._note("gone", {"job": job}, now)
+        self._note(notice)
         self._pump(now)
 
     def move_finished(
         self, key: tuple[int, int, int], ok: bool, nbytes: int, seconds: float, error: str, now: float
     ) -> None:
-        """This node's part of a move (``RunMove``) ended."""
-        self._move_finished(key, ok, nbytes, seconds, error, now)
+        """This node's part of a move (``RunMove``) ended. Raises ``ValueError`` for a move it never started."""
+        if key not in self._moving:
+            raise ValueError(f"no move {list(key)} is under way on node {self.node_id!r}")
+        kind, name = self._moving[key]
+        self._finish_move(key, kind, name, ok, MoveDone(key[2], ok, nbytes, seconds, error), now)
         self._pump(now)
 
-    def _move_finished(
-        self, key: tuple[int, int, int], ok: bool, nbytes: int, seconds: float, error: str, now: float
+    def _finish_move(
+        self, key: tuple[int, int, int], kind: str, name: str, ok: bool, done: MoveDone, now: float
     ) -> None:
-        kind, name = self._moving.pop(key)
         job = self.jobs.get(name)
+        location = None if kind == "reclaim" or job is None else moved(job.location, FINISHED[(kind, ok)])
+        tell = key[:2] == self.era and self.leader is not None
+        message = Note(key[:2], done) if tell else None
+        self._moving.pop(key, None)
         if kind == "reclaim":
             if job is not None and not job.sessions:
                 del self.jobs[name]
-        elif job is not None:
-            parked = (kind == "snapshot") == ok
-            job.location = "parked" if parked else "resident"
-        era = key[:2]
-        if era == self.era and self.leader is not None:
-            done = {"op": key[2], "ok": ok, "nbytes": nbytes, "seconds": seconds, "error": error}
-            self._to_leader({"k": "note", "op": "move_done", "args": done}, now)
-        self._maybe_report(now)
+        elif job is not None and location is not None:
+            job.location = location
+        if message is not None:
+            self._to_leader(message)
+        self._maybe_report(now)  # a step of its own: the report waits for the node's moves
 
     def link(self, peer: str, up: bool, now: float) -> None:
         """The transport's outbound link to ``peer`` came up or went down."""
-        was = peer in self.linked
-        if up:
-            self.linked.add(peer)
-        else:
-            self.linked.discard(peer)
-        if self._collect is not None and not up:
-            self._maybe_build(now)
-        if self.orch is not None:
-            if not up and was:
-                self.orch.node_offline(self.members.index(peer), now)
-                self._route_orch()
-            elif up and not was and self._collect is None:
-                self._start_sync(now)  # it may have missed messages, or it is new: take stock again
-        elif up and not was and peer == self.leader and self.era is not None:
-            self._effects.append(Send(peer, {"k": "resync", "era": list(self.era)}))
-        self._pump(now)
+        was = peer in self.lead.linked
+        try:
+            if self.lead.link(peer, up, now):
+                return
+            if up and not was and peer == self.leader and self.era is not None:
+                self._effects.append(Send(peer, Resync(self.era)))
+        finally:
+            self._pump(now)
 
-    def receive(self, sender: str, message: dict[str, Any], now: float) -> None:
-        """A message from peer ``sender`` (authenticated by the transport). Raises ``ValueError`` if malformed."""
+    def receive(self, sender: str, message: Any, now: float) -> None:
+        """A message (its wire map) from peer ``sender``, as the transport authenticated it.
+
+        Raises ``MalformedPeerMessage`` for a message the protocol does not allow (the node is left
+        as it was), and ``ValueError`` for a sender that is not a peer.
+        """
         if sender not in self.members or sender == self.node_id:
             raise ValueError(f"message from unknown node {sender!r}")
-        self._dispatch(sender, message, now)
-        self._pump(now)
+        parsed = message_from_wire(message)
+        try:
+            self._dispatch(sender, parsed, now)
+        finally:
+            self._pump(now)
 
     def handle_timers(self, now: float) -> None:
-        self.election.handle_timers(now)
-        if self.orch is not None:
-            self.orch.handle_timers(now)
-            self._route_orch()
-        if self._collect is not None and now >= self._collect_deadline:
-            if len(self._collect) >= self.majority:
-                self._build(now)
-            else:
-                self._collect_deadline = now + self.sync_timeout
-        self._pump(now)
+        try:
+            self.election.handle_timers(now)
+            self.lead.handle_timers(now)
+        finally:
+            self._pump(now)
 
-    # --- the loop of messages to ourselves and election effects ----------------------------
+    # --- the loop of messages to ourselves, the election's and the leader's effects -----------
 
     def _pump(self, now: float) -> None:
         while True:
             became = False
             for effect in self.election.drain():
                 if isinstance(effect, ElectionSend):
-                    self._effects.append(Send(effect.to, {"k": "elect", "m": effect.message.to_wire()}))
+                    self._effects.append(Send(effect.to, Elect(effect.message)))
                 elif isinstance(effect, Persist):
                     self._effects.append(effect)
                 elif isinstance(effect, BecameLeader):
                     became = True
                     self._effects.append(Noted("leader", f"leads the cluster in term {effect.term}"))
                 elif isinstance(effect, SteppedDown):
-                    self.orch, self._collect, self._collect_deadline = None, None, float("inf")
+                    self.lead.step_down()
                     self._effects.append(Noted("leader", f"stepped down from term {effect.term}: {effect.reason}"))
                 elif isinstance(effect, LeaderChanged):
-                    self._leader_changed(effect, now)
+                    self._leader_changed(effect)
             if became:
-                self._start_sync(now)  # after the heartbeats, so followers know us before our sync
+                self.lead.start_sync(now)  # after the heartbeats, so followers know us before our sync
+            for out in self.lead.drain():
+                if isinstance(out, Send) and out.to == self.node_id:
+                    self._inbox.append((self.node_id, out.message))
+                else:
+                    self._effects.append(out)
             if not self._inbox:
                 return
-            inbox, self._inbox = self._inbox, []
-            for sender, message in inbox:
-                self._dispatch(sender, message, now)
+            sender, message = self._inbox.pop(0)  # one at a time: a bug in one leaves the rest queued
+            self._dispatch(sender, message, now)
 
-    def _leader_changed(self, effect: LeaderChanged, now: float) -> None:
+    def _leader_changed(self, effect: LeaderChanged) -> None:
         if effect.leader is None or effect.leader != self.leader or self.era is None or effect.term != self.era[0]:
             self.ready = False  # a new leader will send its sync; until then requests wait
         if effect.leader is not None and effect.leader != self.node_id and not self.ready:
             # We may have missed (or refused, not knowing it yet) its sync: ask for one.
             era = self.era if self.era is not None and self.era[0] == effect.term else (effect.term, 0)
-            self._effects.append(Send(effect.leader, {"k": "resync", "era": list(era)}))
+            self._effects.append(Send(effect.leader, Resync(era)))
 
-    def _dispatch(self, sender: str, m: dict[str, Any], now: float) -> None:
-        kind = m.get("k")
-        if kind == "elect":
-            self.election.receive(sender, message_from_wire(m.get("m")), now)
-            return
-        if kind in ("req", "note", "report", "resync"):
-            self._on_from_node(sender, m, now)
-            return
-        era = _era(m.get("era"))
-        if kind == "sync":
-            self._on_sync(sender, era, now)
-            return
-        if sender != self.leader or era != self.era or sender != self.election.leader:
-            self.refused += 1
-            return
-        handler = _FROM_LEADER.get(kind) if isinstance(kind, str) else None
-        if handler is None:
-            raise ValueError(f"unknown message kind {kind!r}")
-        handler(self, m, now)
+    def _dispatch(self, sender: str, message: PeerMessage, now: float) -> None:
+        match message:
+            case Elect():
+                try:
+                    self.election.receive(sender, message.m, now)
+                except ValueError as exc:  # one no correct peer could send; the election changed nothing
+                    raise MalformedPeerMessage(f"elect: {exc}") from exc
+            case Report() | Resync() | Req() | Note():
+                self.lead.receive(sender, message, now)
+            case Sync():
+                self._on_sync(sender, message.era, now)
+            case _ if not (sender == self.leader == self.election.leader and message.era == self.era):
+                self.refused += 1  # not from the leader this node follows, in the era it opened
+            case Ready():
+                self._on_ready()
+            case Res():
+                self._on_res(message)
+            case Grant():
+                self._on_grant(message)
+            case Failed():
+                self._on_fail(message)
+            case Queued():
+                w = self.waiting.get((message.conn, message.rid))
+                if w is not None:
+                    w.seq = message.seq
+            case Notify():
+                self._on_notify(message)
+            case Move():
+                self._on_move(message, now)
+            case Span():
+                for job in self.jobs.values():
+                    if job.group == message.group:
+                        job.span = message.gpus
+            case Allotted():
+                self._on_allotted(message)
 
     # --- forwarding to the leader ---------------------------------------------------------------
 
-    def _forward(self, f: Forwarded, now: float) -> Any:
-        if self.orch is not None and self.ready:  # we lead: answer within this call
-            try:
-                result = self.orch.handle(self.slot, f.op, {**f.args, "conn": f.conn, "rid": f.rid}, now)
-            finally:
-                self._route_orch()
-            return self._answered(f, result)
-        req = next(self._req)
-        self._pending[req] = f
-        if self.ready and self.leader is not None:
-            self._send_req(req, now)
-        return PENDING
-
-    def _send_req(self, req: int, now: float) -> None:
-        f = self._pending[req]
-        self._sent.add(req)
-        args = {**f.args, "conn": f.conn, "rid": f.rid}
-        self._to_leader({"k": "req", "id": req, "op": f.op, "args": args}, now)
-
-    def _to_leader(self, message: dict[str, Any], now: float) -> None:
-        assert self.leader is not None and self.era is not None
-        message = {**message, "era": list(self.era)}
+    def _to_leader(self, message: PeerMessage) -> None:
+        assert self.leader is not None
         if self.leader == self.node_id:
             self._inbox.append((self.node_id, message))
         else:
             self._effects.append(Send(self.leader, message))
 
-    def _note(self, op: str, args: dict[str, Any], now: float) -> None:
-        if self.ready and self.leader is not None:
-            self._to_leader({"k": "note", "op": op, "args": args}, now)
+    def _note(self, notice: Notice) -> None:
+        if self.ready and self.leader is not None and self.era is not None:
+            self._to_leader(Note(self.era, notice))
         else:
-            self._notes.append({"k": "note", "op": op, "args": args})
+            self._notes.append(notice)
 
-    def _answered(self, f: Forwarded, result: Any) -> Any:
-        """The leader's result for ``f``; what the client gets now (or ``PENDING``)."""
-        if f.op in LATER_OPS:
-            return PENDING
-        if f.op == "register":
-            return self._registered(f, result)
-        return result
+    def _register_reply(self, ask: Register, result: Registered) -> dict[str, Any]:
+        """The client's reply to its register: this node's GPUs of the group, and the cluster's."""
+        return {
+            "job": result.job,
+            "group": result.group,
+            "gpus": [local_gpu(g) for g in result.gpus if gpu_slot(g) == self.slot],
+            "location": result.location.value,
+            "cluster_gpus": list(result.gpus),
+            **ask.extra,  # what the node's shell adds to the reply (its own session id)
+        }
 
-    def _registered(self, f: Forwarded, result: dict[str, Any]) -> dict[str, Any]:
-        name = f.args["job"]
-        job = self.jobs.get(name)
-        if job is None:
-            job = self.jobs[name] = LocalJob(name, f.args["group"], bool(f.args.get("exclusive")), ())
-        job.span = tuple(result["gpus"])
-        job.sessions.add(f.conn)
-        job.pids.update(f.args.get("pids", ()))
+    def _take_registered(self, ask: Register, result: Registered) -> None:
+        """The job, as this node knows it from now on (the leader registered it)."""
+        job = self.jobs.setdefault(ask.job, LocalJob(ask.job, ask.group, ask.exclusive, ()))
+        job.span = result.gpus
+        job.sessions.add(ask.conn)
+        job.pids.update(ask.pids)
         job.gone = False
-        self.sessions[f.conn] = name
-        extra = f.args.get("extra") or {}  # what the node's shell adds to the reply (its own session id)
-        return {**result, "gpus": list(self.local_gpus(name)), "cluster_gpus": list(result["gpus"]), **extra}
+        self.sessions[ask.conn] = ask.job
 
     # --- messages from the leader ---------------------------------------------------------------
 
@@ -546,63 +542,167 @@ class ClusterNode:
         if sender != self.election.leader or era[0] != self.election.term or (self.era and era <= self.era):
             self.refused += 1
             return
+        report = Report(era, self._report(now)) if not self._moving else None
         self.era, self.leader, self.ready = era, sender, False
         # The report carries the effect of every notice and waiting acquire: those are not resent.
         self._notes.clear()
-        for req, f in list(self._pending.items()):
-            if f.op == "acquire":
+        for req, p in list(self._pending.items()):
+            if isinstance(p.ask, Acquire):
                 del self._pending[req]
             elif req in self._sent:
-                f.resent = True
+                p.resent = True
         self._sent.clear()
-        self._report_due = True
-        self._maybe_report(now)
+        self._report_due = report is None
+        if report is not None:
+            self._to_leader(report)
 
     def _maybe_report(self, now: float) -> None:
-        if not self._report_due or self._moving or self.leader is None:
+        if not self._report_due or self._moving or self.leader is None or self.era is None:
             return
+        report = Report(self.era, self._report(now))
         self._report_due = False
-        self._to_leader({"k": "report", "report": self._report(now)}, now)
+        self._to_leader(report)
 
-    def _report(self, now: float) -> dict[str, Any]:
-        return {
-            "devices": {str(g): cap for g, cap in self.devices.items()},
-            "sessions": [
-                {"conn": c, "job": j, "pids": sorted(self.jobs[j].pids)} for c, j in sorted(self.sessions.items())
-            ],
-            "jobs": [
-                {
-                    "job": j.name,
-                    "group": j.group,
-                    "exclusive": j.exclusive,
-                    "location": j.location,
-                    "footprint": {str(g): n for g, n in j.footprint.items()},
-                    "faulted": j.faulted,
-                    "span": list(j.span),
-                    "gone": j.gone,
-                }
+    def _report(self, now: float) -> NodeReport:
+        return NodeReport(
+            devices=dict(self.devices),
+            sessions=tuple(
+                ReportedSession(c, j, tuple(sorted(self.jobs[j].pids))) for c, j in sorted(self.sessions.items())
+            ),
+            jobs=tuple(
+                ReportedJob(
+                    j.name, j.group, j.exclusive, j.location, dict(j.footprint), j.faulted, tuple(j.span), j.gone
+                )
                 for j in self.jobs.values()
-            ],
-            "holders": [
-                {"group": g, "job": h.job, "fence": h.fence, "conns": sorted(h.conns)} for g, h in self.holders.items()
-            ],
-            "waiting": [
-                {
-                    "conn": conn,
-                    "rid": rid,
-                    "seq": w.seq,
-                    "order": w.order,
-                    "deadline_in": None if w.deadline is None else max(0.0, w.deadline - now),
-                }
+            ),
+            holders=tuple(ReportedHolder(g, h.job, h.fence, tuple(sorted(h.conns))) for g, h in self.holders.items()),
+            waiting=tuple(
+                ReportedWait(conn, rid, w.seq, w.order, None if w.deadline is None else max(0.0, w.deadline - now))
                 for (conn, rid), w in self.waiting.items()
-            ],
-            "fences": {g: f for g, (_, f) in self.fences.items()},
-            "turns": [
-                {"job": job, "seq": t.seq, "order": 0, "kept_for": t.until - now}
+            ),
+            fences={g: f for g, (_, f) in self.fences.items()},
+            turns=tuple(
+                ReportedTurn(job, t.seq, 0, t.until - now)
                 for job, t in sorted(self.turns.items(), key=lambda kv: kv[1].seq)
                 if t.until > now and job in self.jobs
-            ],
-        }
+            ),
+        )
+
+    def _on_ready(self) -> None:
+        assert self.era is not None
+        messages: list[PeerMessage] = [Req(self.era, req, self._pending[req].ask) for req in sorted(self._pending)]
+        messages += [Note(self.era, notice) for notice in self._notes]
+        self.ready = True
+        self._sent.update(self._pending)
+        self._notes = []
+        for message in messages:
+            self._to_leader(message)
+
+    def _on_res(self, m: Res) -> None:
+        p = self._pending.get(m.id)
+        if p is None:
+            return
+        if m.op != p.ask.OP:  # not the answer to this request: no correct leader sends it
+            self.refused += 1
+            return
+        effect: Reply | Fail | None = None
+        conn, rid = p.ask.conn, p.ask.rid
+        registered = m.result if isinstance(p.ask, Register) and isinstance(m.result, Registered) else None
+        if m.error is not None:
+            error = m.error.exception()
+            if isinstance(p.ask, Release) and p.resent and isinstance(error, errors.NotHolder):
+                effect = Reply(conn, rid, {"released": True, "after_leader_change": True})
+            else:
+                effect = Fail(conn, rid, error)
+        elif isinstance(p.ask, Register) and registered is not None:  # Res checks that it is one
+            effect = Reply(conn, rid, self._register_reply(p.ask, registered))
+        elif not isinstance(p.ask, LATER):
+            effect = Reply(conn, rid, m.result)
+        del self._pending[m.id]
+        self._sent.discard(m.id)
+        if isinstance(effect, Fail):
+            self.waiting.pop((conn, rid), None)
+        if isinstance(p.ask, Register) and registered is not None:
+            self._take_registered(p.ask, registered)
+        if effect is not None:
+            self._effects.append(effect)
+
+    def _on_grant(self, m: Grant) -> None:
+        info = m.info
+        stamp = (info.term, info.fence)
+        last = self.fences.get(info.group)
+        if last is not None and (stamp < last or (stamp == last and not m.again)):
+            self.refused += 1
+            return
+        granted = info.to_wire()
+        effects: list[Effect] = []
+        answered, conns = [], set()
+        for conn, rid in m.tickets:
+            if rid == AUTO:  # queued again after a preemption: granted without asking
+                if conn in self.sessions:
+                    effects.append(Push((conn,), "granted", granted))
+            elif (conn, rid) in self.waiting or conn in self.sessions:
+                answered.append((conn, rid))
+                effects.append(Reply(conn, rid, granted))
+            if self.sessions.get(conn) == info.job:
+                conns.add(conn)
+        holding = self.holders.get(info.group)
+        joins = m.again and holding is not None and holding.job == info.job
+        new = Holding(info.job, info.term, info.fence, conns) if conns and not joins else None
+        self.fences[info.group] = stamp
+        for key in answered:
+            self.waiting.pop(key, None)
+        if joins and holding is not None:
+            holding.conns |= conns
+        elif new is not None:
+            self.holders[info.group] = new
+        self._effects.extend(effects)
+
+    def _on_fail(self, m: Failed) -> None:
+        error = m.error.exception()
+        if m.rid == AUTO:  # a preempted job will not be granted again: its client must not wait for it
+            self._effects.append(Push((m.conn,), "lock_lost", {"reason": error.message}))
+            return
+        fail = Fail(m.conn, m.rid, error)
+        self.waiting.pop((m.conn, m.rid), None)
+        self._effects.append(fail)
+
+    def _on_notify(self, m: Notify) -> None:
+        job = self.jobs.get(m.job)
+        if job is None:
+            return
+        push = Push(tuple(sorted(job.sessions)), m.event, m.data)
+        holding = self.holders.get(job.group)
+        faulted = m.event == "faulted" and not m.data.get("until_resync")
+        reason = str(m.data.get("reason", "faulted"))
+        if faulted:
+            job.faulted = reason
+        elif m.event in ("lock_lost", "preempted") and holding is not None and holding.job == m.job:
+            del self.holders[job.group]
+        self._effects.append(push)
+
+    def _on_move(self, m: Move, now: float) -> None:
+        assert self.era is not None
+        key = (*self.era, m.op)
+        job = self.jobs.get(m.job)
+        run = RunMove(key, m.kind, m.job)
+        if m.kind == "reclaim":
+            self._moving[key] = (m.kind, m.job)
+            self._effects.append(run)
+            return
+        if job is None or job.location is NOTHING_TO_DO[m.kind]:
+            self._finish_move(key, m.kind, m.job, True, MoveDone(m.op, True), now)
+            return
+        location = moved(job.location, STARTED[m.kind])
+        self._moving[key] = (m.kind, m.job)
+        job.location = location
+        self._effects.append(run)
+
+    def _on_allotted(self, m: Allotted) -> None:
+        job = self.jobs.get(m.job)
+        if job is not None:
+            job.footprint[m.gpu] = job.footprint.get(m.gpu, 0) + m.nbytes
+        self._effects.append(Allocate(m.conn, m.rid, m.job, m.gpu, m.nbytes, m.requested))
 
     # --- durability: what a restarted daemon needs to take up its jobs again ------------------
 
@@ -625,7 +725,7 @@ class ClusterNode:
                     "group": j.group,
                     "exclusive": j.exclusive,
                     "span": list(j.span),
-                    "location": j.location,
+                    "location": j.location.value,
                     "footprint": {str(g): n for g, n in j.footprint.items()},
                     "faulted": j.faulted,
                     "pids": sorted(j.pids),
@@ -642,243 +742,16 @@ class ClusterNode:
 
         Their processes reconnect with new sessions; until then each job is known by its
         PIDs, and the places it had in its group's queue are kept for ``keep_turns_for`` s.
+        Raises ``ValueError`` for a picture ``durable`` did not write (nothing is taken up then).
         """
+        jobs = {}
         for j in picture["jobs"]:
-            job = LocalJob(j["job"], j["group"], bool(j["exclusive"]), tuple(j["span"]), j["location"])
+            job = LocalJob(j["job"], j["group"], bool(j["exclusive"]), tuple(j["span"]), Location(j["location"]))
             job.footprint = {int(g): int(n) for g, n in j["footprint"].items()}
             job.faulted, job.pids = str(j["faulted"]), set(j["pids"])
-            self.jobs[job.name] = job
-        for job, seq in picture["turns"].items():
-            if job in self.jobs:
-                self.turns[job] = Turn(int(seq), now + keep_turns_for)
-        for group, (term, fence) in picture["fences"].items():
-            self.fences[group] = (int(term), int(fence))
-
-    def _on_ready(self, m: dict[str, Any], now: float) -> None:
-        self.ready = True
-        for req in sorted(self._pending):
-            self._send_req(req, now)
-        notes, self._notes = self._notes, []
-        for note in notes:
-            self._to_leader(note, now)
-
-    def _on_res(self, m: dict[str, Any], now: float) -> None:
-        req = m.get("id")
-        f = self._pending.pop(req, None) if isinstance(req, int) else None
-        if f is None:
-            return
-        self._sent.discard(m["id"])
-        if m.get("ok"):
-            result = self._answered(f, m.get("result"))
-            if result is not PENDING:
-                self._effects.append(Reply(f.conn, f.rid, result))
-            return
-        error = errors.from_wire(m.get("error"))
-        if f.op == "release" and f.resent and isinstance(error, errors.NotHolder):
-            self._effects.append(Reply(f.conn, f.rid, {"released": True, "after_leader_change": True}))
-            return
-        self.waiting.pop((f.conn, f.rid), None)
-        self._effects.append(Fail(f.conn, f.rid, error))
-
-    def _on_grant(self, m: dict[str, Any], now: float) -> None:
-        info = m["info"]
-        group, job, fence = info["group"], info["job"], info["fence"]
-        stamp = (info["term"], fence)
-        last = self.fences.get(group)
-        if last is not None and (stamp < last or (stamp == last and not m.get("again"))):
-            self.refused += 1
-            return
-        self.fences[group] = stamp
-        conns = set()
-        for conn, rid in m["tickets"]:
-            if rid == AUTO:  # queued again after a preemption: granted without asking
-                if conn in self.sessions:
-                    self._effects.append(Push((conn,), "granted", info))
-            elif self.waiting.pop((conn, rid), None) is not None or conn in self.sessions:
-                self._effects.append(Reply(conn, rid, info))
-            if self.sessions.get(conn) == job:
-                conns.add(conn)
-        holding = self.holders.get(group)
-        if m.get("again") and holding is not None and holding.job == job:
-            holding.conns |= conns
-        elif conns:
-            self.holders[group] = Holding(job, info["term"], fence, conns)
-
-    def _on_fail(self, m: dict[str, Any], now: float) -> None:
-        error = errors.from_wire(m.get("error"))
-        if m["rid"] == AUTO:  # a preempted job will not be granted again: its client must not wait for it
-            self._effects.append(Push((m["conn"],), "lock_lost", {"reason": error.message}))
-            return
-        self.waiting.pop((m["conn"], m["rid"]), None)
-        self._effects.append(Fail(m["conn"], m["rid"], error))
-
-    def _on_queued(self, m: dict[str, Any], now: float) -> None:
-        w = self.waiting.get((m["conn"], m["rid"]))
-        if w is not None:
-            w.seq = m["seq"]
-
-    def _on_notify(self, m: dict[str, Any], now: float) -> None:
-        name, event, data = m["job"], m["event"], m.get("data") or {}
-        job = self.jobs.get(name)
-        if job is None:
-            return
-        if event == "faulted" and not data.get("until_resync"):
-            job.faulted = str(data.get("reason", "faulted"))
-        elif event in ("lock_lost", "preempted"):
-            holding = self.holders.get(job.group)
-            if holding is not None and holding.job == name:
-                del self.holders[job.group]
-        self._effects.append(Push(tuple(sorted(job.sessions)), event, data))
-
-    def _on_move(self, m: dict[str, Any], now: float) -> None:
-        assert self.era is not None
-        key = (*self.era, m["op"])
-        kind, name = m["kind"], m["job"]
-        job = self.jobs.get(name)
-        nothing_to_do = job is None or (
-            (kind == "snapshot" and job.location == "parked") or (kind == "restore" and job.location == "resident")
-        )
-        self._moving[key] = (kind, name)
-        if nothing_to_do and kind != "reclaim":
-            self._move_finished(key, True, 0, 0.0, "", now)
-            return
-        if job is not None and kind != "reclaim":
-            job.location = "parking" if kind == "snapshot" else "restoring"
-        self._effects.append(RunMove(key, kind, name))
-
-    def _on_span(self, m: dict[str, Any], now: float) -> None:
-        for job in self.jobs.values():
-            if job.group == m["group"]:
-                job.span = tuple(m["gpus"])
-
-    def _on_alloc(self, m: dict[str, Any], now: float) -> None:
-        job = self.jobs.get(m["job"])
-        if job is not None:
-            job.footprint[m["gpu"]] = job.footprint.get(m["gpu"], 0) + m["nbytes"]
-        self._effects.append(Allocate(m["conn"], m["rid"], m["job"], m["gpu"], m["nbytes"], m["requested"]))
-
-    # --- the leader: taking stock, and requests from nodes ----------------------------------------
-
-    def _start_sync(self, now: float) -> None:
-        self._gen += 1
-        era = (self.election.term, self._gen)
-        if self._fence_floor[0] != era[0]:
-            self._fence_floor = (era[0], {})
-        if self.orch is not None and self.orch.era[0] == era[0]:  # fences go on growing within a term
-            self._fence_floor[1].update(self.orch.fence_floor)
-            self._fence_floor[1].update({g.name: g.fence for g in self.orch.scheduler.groups.values()})
-            self._figures = self.orch.scheduler  # and so do the figures
-        else:
-            self._figures = None
-        self.orch = None
-        self._collect, self._collect_era = {}, era
-        self._collect_deadline = now + self.sync_timeout
-        for member in self.members:
-            message = {"k": "sync", "era": list(era)}
-            if member == self.node_id:
-                self._inbox.append((member, message))
-            else:
-                self._effects.append(Send(member, message))
-
-    def _on_from_node(self, sender: str, m: dict[str, Any], now: float) -> None:
-        era = _era(m.get("era"))
-        kind = m["k"]
-        if kind == "report":
-            if self._collect is not None and era == self._collect_era:
-                self._collect[sender] = m["report"]
-                self._maybe_build(now)
-            return
-        if kind == "resync":
-            if self._collect is not None and self._collect_era is not None:
-                self._effects.append(Send(sender, {"k": "sync", "era": list(self._collect_era)}))
-            elif self.orch is not None:
-                self._start_sync(now)
-            return
-        if self.orch is None or era != self.orch.era:
-            return  # an older era's request: the node resends it once the new era is ready
-        slot = self.members.index(sender)
-        if kind == "note":
-            self.orch.handle(slot, m["op"], m["args"], now)
-            self._route_orch()
-            return
-        reply: dict[str, Any] = {"k": "res", "id": m["id"]}
-        try:
-            reply["result"] = self.orch.handle(slot, m["op"], m["args"], now)
-            reply["ok"] = True
-        except errors.TimeslicedError as exc:
-            reply.update(ok=False, error=errors.to_wire(exc))
-        self._route_orch()
-        self._to_node(slot, {**reply, "era": list(self.orch.era)})
-
-    def _maybe_build(self, now: float) -> None:
-        """Build once every member that can answer has: a member whose link is down will not."""
-        if self._collect is None:
-            return
-        reachable = {self.node_id} | self.linked
-        if reachable <= set(self._collect) and len(self._collect) >= self.majority:
-            self._build(now)
-
-    def _build(self, now: float) -> None:
-        assert self._collect is not None and self._collect_era is not None
-        reports = {self.members.index(m): r for m, r in self._collect.items()}
-        missing = [i for i, m in enumerate(self.members) if m not in self._collect]
-        self.orch, problems = Orchestrator.rebuild(
-            self._collect_era,
-            reports,
-            missing,
-            now,
-            max_waiters=self.max_waiters,
-            op_timeout=self.op_timeout,
-            fence_floor=self._fence_floor[1],
-            policies=self.policies,
-        )
-        if self._figures is not None:
-            self.orch.scheduler.carry_figures(self._figures)
-            self._figures = None
-        self._reporters = set(self._collect)
-        self._collect, self._collect_deadline = None, float("inf")
-        for text in problems:
-            self.problems.append(text)
-            self._effects.append(Noted("problem", text))
-        for member in sorted(self._reporters):
-            self._to_node(self.members.index(member), {"k": "ready", "era": list(self.orch.era)})
-        self._route_orch()
-
-    def _route_orch(self) -> None:
-        if self.orch is None:
-            return
-        for out in self.orch.drain():
-            self._to_node(out.slot, out.message)
-        grants, self.orch.grants = self.orch.grants, []
-        self._effects.extend(RecordGrant(g) for g in grants)
-        notices, self.orch.notices = self.orch.notices, []
-        for n in notices:
-            group = n.data.get("group")
-            reason = str(n.data.get("reason", ""))
-            self._effects.append(Noted(n.event, reason, job=n.job, group=group if isinstance(group, str) else None))
-
-    def _to_node(self, slot: int, message: dict[str, Any]) -> None:
-        member = self.members[slot]
-        if member == self.node_id:
-            self._inbox.append((member, message))
-        else:
-            self._effects.append(Send(member, message))
-
-
-_FROM_LEADER = {
-    "ready": ClusterNode._on_ready,
-    "span": ClusterNode._on_span,
-    "res": ClusterNode._on_res,
-    "grant": ClusterNode._on_grant,
-    "fail": ClusterNode._on_fail,
-    "queued": ClusterNode._on_queued,
-    "notify": ClusterNode._on_notify,
-    "move": ClusterNode._on_move,
-    "alloc": ClusterNode._on_alloc,
-}
-
-
-def _era(value: Any) -> Era:
-    if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)):
-        raise ValueError(f"not an era: {value!r}")
-    return (value[0], value[1])
+            jobs[job.name] = job
+        turns = {job: Turn(int(seq), now + keep_turns_for) for job, seq in picture["turns"].items() if job in jobs}
+        fences = {group: (int(term), int(fence)) for group, (term, fence) in picture["fences"].items()}
+        self.jobs.update(jobs)
+        self.turns.update(turns)
+        self.fences.update(fences)

@@ -31,6 +31,7 @@ from typing import Any
 
 from .. import errors
 from ..util.compat import timeout
+from ..wire import status
 from ..wire.codec import FrameDecoder, encode
 from ..wire.proof import CHALLENGE_BYTES, Purpose, new_challenge, proof_matches, prove
 
@@ -216,7 +217,7 @@ class PeerTransport:
             raise ValueError(f"unknown peer {peer!r}")
         return link.up
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> status.Peers:
         """The listen address and, per peer, the link's state and counters.
 
         ``sent`` counts frames handed to the socket, ``received`` messages

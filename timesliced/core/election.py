@@ -66,6 +66,8 @@ import random
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
+from ..wire import status
+
 MAX_TERM = (1 << 63) - 1  # terms travel as msgpack int64
 MAX_NODE_ID = 255  # characters
 
@@ -406,7 +408,7 @@ class Election:
             return False
         return not self.peers or now < self._quorum_heard_at() + self.election_timeout[0]
 
-    def describe(self, now: float) -> dict[str, Any]:
+    def describe(self, now: float) -> status.Election:
         """A plain-data picture for ``status``."""
         leading = self._role is Role.LEADER
         return {

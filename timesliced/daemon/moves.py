@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..backends.base import JobTarget, MoveResult
-from ..cluster.node import RunMove
+from ..cluster.effects import RunMove
 from ..core.history import History
 from ..metrics import Metrics
 from ..telemetry import MoveLog

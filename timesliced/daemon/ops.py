@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import errors
 from ..backends.sim import SimBackend
+from ..cluster.asks import Acquire, Alloc, Cancel, Register, Release, Request
 from ..cluster.node import ClusterNode
 from ..core.history import History
 from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
@@ -25,8 +26,8 @@ from .server import Connection
 
 log = logging.getLogger(__name__)
 
-# (connection, request id, op, checked args) -> the result, or DEFERRED when the reply comes later
-Forward = Callable[[Connection, int, str, dict[str, Any]], Any]
+# (connection, its typed request) -> the result, or DEFERRED when the reply comes later
+Forward = Callable[[Connection, Request], Any]
 Op = Callable[["ClientOps", Connection, int, dict[str, Any]], Any]
 
 
@@ -72,27 +73,29 @@ class ClientOps:
         known = self.jobs.park.get(job)
         if known is not None and known != spec and job in self.cluster.jobs:
             raise errors.BadRequest(f"job {job!r} is already registered to be parked with {known}")
-        request = {
-            "job": job,
-            "group": group,
-            "gpus": gpus,
-            "pids": sorted(pids),
-            "exclusive": spec.method != "sim",
-            "extra": {"session": conn.id, "park": spec.method},
-        }
-        result = self._forward(conn, rid, "register", request)
+        request = Register(
+            conn.id,
+            rid,
+            job,
+            group,
+            gpus=None if gpus is None else tuple(gpus),
+            pids=tuple(sorted(pids)),
+            exclusive=spec.method != "sim",
+            extra={"session": conn.id, "park": spec.method},  # what the reply carries besides the core's answer
+        )
+        result = self._forward(conn, request)
         self.jobs.park[job] = spec  # the same as before, or the job is not (yet) registered here
         self.history.record("registered", self._clock(), group=group, job=job, detail=spec.method)
         return result
 
     def acquire(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._forward(conn, rid, "acquire", {"timeout": arg_opt_float(args, "timeout")})
+        return self._forward(conn, Acquire(conn.id, rid, arg_opt_float(args, "timeout")))
 
     def cancel(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._forward(conn, rid, "cancel", {"request": arg_int(args, "request")})
+        return self._forward(conn, Cancel(conn.id, rid, arg_int(args, "request")))
 
     def release(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._forward(conn, rid, "release", {})
+        return self._forward(conn, Release(conn.id, rid))
 
     def sim_alloc(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         nbytes = arg_int(args, "nbytes", minimum=1)
@@ -103,8 +106,7 @@ class ClientOps:
             raise errors.BadRequest(f"job {job!r} is parked with {method}: it has no simulated memory")
         if gpu not in self.cluster.local_gpus(job):
             raise errors.UnknownDevice(f"GPU {gpu} is not one of this node's GPUs of job {job!r}")
-        request = {"gpu": gpu, "nbytes": self._sim().rounded(nbytes), "requested": nbytes}
-        return self._forward(conn, rid, "alloc", request)
+        return self._forward(conn, Alloc(conn.id, rid, gpu, self._sim().rounded(nbytes), nbytes))
 
     def sim_free(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         job = self._job_of(conn)

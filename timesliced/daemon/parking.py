@@ -23,6 +23,7 @@ from .. import errors
 from ..backends.base import Backend, DeviceInfo, GpuMemory
 from ..backends.offload import Direct, OffloadBackend
 from ..config import DaemonConfig
+from ..wire import status
 from ..wire.park import METHODS
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class Parking:
             raise errors.BackendUnavailable(f"parking method {method!r} is not available on this node: {why}")
         return found
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> status.Parking:
         return {
             "default": self.default,
             "why": self.why,

@@ -20,7 +20,10 @@ from aiohttp import web
 from .. import errors
 from ..backends.base import JobTarget
 from ..backends.offload import Direct
-from ..cluster.node import PENDING, Allocate, ClusterNode, Fail, Noted, Push, RecordGrant, Reply, RunMove, Send
+from ..cluster.asks import Request
+from ..cluster.effects import Allocate, Fail, Noted, Push, RecordGrant, Reply, RunMove, Send
+from ..cluster.messages import MalformedPeerMessage
+from ..cluster.node import PENDING, ClusterNode
 from ..cluster.transport import PeerTransport
 from ..config import DaemonConfig
 from ..core.election import Persist
@@ -226,8 +229,10 @@ class Daemon:
     def _on_peer_message(self, sender: str, message: dict[str, Any]) -> None:
         try:
             self._step(self.cluster.receive, sender, message, self._now())
-        except (ValueError, KeyError, TypeError) as exc:  # one peer's bad message never stops the daemon
-            log.warning("dropped a malformed message from node %r: %s: %s", sender, exc.__class__.__name__, exc)
+        except MalformedPeerMessage as exc:  # one peer's bad message never stops the daemon
+            log.warning("dropped a malformed message from node %r: %s", sender, exc)
+        except Exception:  # the node checked the message before it changed anything: this is ours
+            log.exception("bug: the cluster core failed on a message from node %r", sender)
 
     def _on_peer_link(self, peer: str, up: bool) -> None:
         log.info("link to node %r is %s", peer, "up" if up else "down")
@@ -271,10 +276,10 @@ class Daemon:
     def handle_request(self, conn: Connection, request_id: int, op: str, args: dict[str, Any]) -> Any:
         return self.ops.handle(conn, request_id, op, args)
 
-    def _forward(self, conn: Connection, rid: int, op: str, args: dict[str, Any]) -> Any:
+    def _forward(self, conn: Connection, request: Request) -> Any:
         """Hand a client's request to the cluster (the leader, wherever it is)."""
         self._conns[conn.id] = conn
-        result = self._step(self.cluster.request, conn.id, rid, op, args, self._now())
+        result = self._step(self.cluster.request, request, self._now())
         return DEFERRED if result is PENDING else result
 
     def _connections_of(self, job: str) -> list[Connection]:
@@ -283,13 +288,10 @@ class Daemon:
 
     def admin(self, event: ForceReleaseRequested | DrainRequested) -> dict[str, Any]:
         """An administrator's action (the dashboard checked the token); raises ``TimeslicedError``."""
+        result: dict[str, Any] = self._step(self.cluster.admin, event, self._now())
         if isinstance(event, ForceReleaseRequested):
-            result: dict[str, Any] = self._step(
-                self.cluster.admin, "force_release", {"group": event.group}, self._now()
-            )
             what = f"force-released from {result['released']}"
         else:
-            result = self._step(self.cluster.admin, "drain", {"group": event.group, "on": event.on}, self._now())
             what = "drained" if event.on else "resumed"
         log.warning("administrator: group %r %s", event.group, what)
         self.history.record("admin", self._now(), group=event.group, detail=what)
@@ -349,7 +351,7 @@ class Daemon:
                 conn.fail(effect.rid, effect.error)
         elif isinstance(effect, Send):
             if self.peers is not None:
-                self.peers.send(effect.to, effect.message)
+                self.peers.send(effect.to, effect.message.to_wire())
         elif isinstance(effect, Persist):
             save_election(self.config.state_dir, effect.state)  # durable before any later Send
         elif isinstance(effect, Push):

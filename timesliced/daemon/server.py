@@ -25,6 +25,7 @@ from .. import errors
 from ..wire.codec import FrameDecoder, encode
 from ..wire.messages import PROTOCOL_VERSION, Push, Reply, parse_request, quoted, request_id_of
 from ..wire.proof import Purpose, new_challenge, proof_matches
+from ..wire.status import Counters
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class ClientServer:
         self.max_per_client = max_per_client  # connections from one process (Unix socket) or one host (TCP)
         self._per_client: dict[str, int] = {}
         self.connections: dict[int, Connection] = {}
-        self.counters = {
+        self.counters: Counters = {
             "accepted": 0,
             "refused": 0,
             "protocol_errors": 0,

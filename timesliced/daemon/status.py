@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TypedDict, cast
+from typing import TypedDict
 
 from ..cluster.node import ClusterNode, LocalJob
 from ..cluster.transport import PeerTransport
@@ -61,20 +61,20 @@ class StatusReport:
         scheduler = self.cluster.scheduler
         picture = self.leader_picture(now) if scheduler is not None else self.local_picture()
         peers = self.peers()
-        cluster = cast(schema.Cluster, {**self.cluster.describe(now), "peers": peers.describe() if peers else None})
+        cluster: schema.Cluster = {**self.cluster.describe(now), "peers": peers.describe() if peers else None}
         return {
             "node": self.config.node,
             "version": __version__,
             "pid": os.getpid(),
             "backend": self.parking.default,
-            "parking": cast(schema.Parking, self.parking.describe()),
+            "parking": self.parking.describe(),
             "addresses": list(self.server.addresses),
             "uptime_s": time.time() - self.started_at,
             "connections": len(self.server.connections),
-            "counters": cast(schema.Counters, dict(self.server.counters)),
+            "counters": self.server.counters.copy(),
             **picture,
             "cluster": cluster,
-            "telemetry": cast(schema.Telemetry, self.telemetry.describe(now)),
+            "telemetry": self.telemetry.describe(now),
             "moves": self.moves_with_wall_times(now),
         }
 
@@ -99,9 +99,9 @@ class StatusReport:
                 {
                     "index": gpu,
                     "capacity": cap,
-                    "used": sum(j.footprint.get(gpu, 0) for j in c.jobs.values() if j.location != "parked"),
+                    "used": sum(j.footprint.get(gpu, 0) for j in c.jobs.values() if j.location.occupies_device),
                     "jobs": {
-                        j.name: {"bytes": j.footprint[gpu], "location": j.location}
+                        j.name: {"bytes": j.footprint[gpu], "location": j.location.value}
                         for j in c.jobs.values()
                         if j.footprint.get(gpu)
                     },
@@ -117,7 +117,7 @@ class StatusReport:
         return {
             "job": j.name,
             "group": j.group,
-            "location": j.location,
+            "location": j.location.value,
             "faulted": j.faulted or None,
             "sessions": len(j.sessions),
             "pids": sorted(j.pids),
@@ -127,8 +127,6 @@ class StatusReport:
         }
 
     def moves_with_wall_times(self, now: float) -> schema.Moves:
-        moves = cast(schema.Moves, self.moves.describe())
-        wall = time.time() - now
-        for move in moves["recent"]:
-            move["t"] = move["at"] + wall  # epoch seconds, like every time the dashboard shows
-        return moves
+        log = self.moves.describe()
+        wall = time.time() - now  # epoch seconds, like every time the dashboard shows
+        return {"recent": [{**move, "t": move["at"] + wall} for move in log["recent"]], "jobs": log["jobs"]}

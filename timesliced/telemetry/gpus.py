@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any
 
 from ..backends.base import DeviceInfo
 from ..nvml import GpuSample
+from ..wire import status
 from .duty import DutyWindow
 
 
@@ -83,9 +83,9 @@ class GpuRecord:
         """The window of ``gpu`` (``KeyError`` if unknown)."""
         return self._windows[gpu]
 
-    def describe(self, now: float, window: float) -> list[dict[str, Any]]:
+    def describe(self, now: float, window: float) -> list[status.GpuTelemetry]:
         """Plain data per GPU, by index, with the mean duty over ``window`` seconds (string keys only)."""
-        gpus = []
+        gpus: list[status.GpuTelemetry] = []
         for index in sorted(set(self.devices) | set(self.latest)):
             info = self.devices.get(index)
             s = self.latest.get(index)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any
 
 from ..util.stats import median
+from ..wire import status
 
 
 class MoveKind(enum.Enum):
@@ -30,7 +30,7 @@ class MoveRecord:
         """Gigabytes (1e9 bytes) per second; 0 for a move that took no measurable time."""
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> status.MoveEntry:
         return {
             "at": self.at,
             "job": self.job,
@@ -57,7 +57,7 @@ class JobMoves:
     seconds: float
     median_gbps: float | None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> status.JobMoves:
         return {
             "count": self.count,
             "snapshots": self.snapshots,
@@ -136,7 +136,7 @@ class MoveLog:
                 out[job] = s
         return out
 
-    def describe(self, limit: int = 50) -> dict[str, Any]:
+    def describe(self, limit: int = 50) -> status.MovesLog:
         """Plain data: the last ``limit`` moves and every job's summary."""
         return {
             "recent": [r.to_dict() for r in self.recent(limit=limit)],

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
 
 from ..nvml import GpuSample, Nvml
+from ..wire import status
 from .duty import DutyWindow
 from .gpus import GpuRecord
 from .sampler import Sampler, SamplingLog
@@ -113,7 +113,7 @@ class Telemetry:
         """The window of ``gpu`` (``KeyError`` if unknown)."""
         return self.gpus.window(gpu)
 
-    def describe(self, now: float | None = None) -> dict[str, Any]:
+    def describe(self, now: float | None = None) -> status.Telemetry:
         """Plain data for the daemon's status and the dashboard (JSON- and msgpack-safe: string keys)."""
         t = self.clock() if now is None else now
         sampled_at = self.gpus.sampled_at

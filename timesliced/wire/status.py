@@ -143,11 +143,13 @@ class PeerLink(TypedDict):
 
 
 class Peers(TypedDict):
-    listen: list[Any] | None  # [host, port] once listening
+    listen: str  # HOST:PORT where the node accepts its peers ("" before it listens)
     peers: dict[str, PeerLink]
 
 
-class Cluster(TypedDict):
+class ClusterCore(TypedDict):
+    """What the cluster node knows (``ClusterNode.describe``)."""
+
     node: str
     slot: int
     members: list[str]
@@ -162,6 +164,9 @@ class Cluster(TypedDict):
     pending: int
     refused: int
     problems: list[str]
+
+
+class Cluster(ClusterCore):
     peers: Peers | None  # the peer transport; None for a single daemon
 
 
@@ -195,14 +200,19 @@ class Telemetry(TypedDict):
     gpus: list[GpuTelemetry]
 
 
-class Move(TypedDict):
+class MoveEntry(TypedDict):
+    """One move as the move log keeps it."""
+
     at: float  # the daemon's clock
-    t: float  # epoch seconds
     job: str
     kind: str  # snapshot | restore
     nbytes: int
     seconds: float
     gbps: float
+
+
+class Move(MoveEntry):
+    t: float  # epoch seconds
 
 
 class JobMoves(TypedDict):
@@ -212,6 +222,13 @@ class JobMoves(TypedDict):
     nbytes: int
     seconds: float
     median_gbps: float | None
+
+
+class MovesLog(TypedDict):
+    """What the move log shows (``MoveLog.describe``)."""
+
+    recent: list[MoveEntry]
+    jobs: dict[str, JobMoves]
 
 
 class Moves(TypedDict):
@@ -271,6 +288,10 @@ def problems(value: Any, schema: Any = Status, where: str = "status") -> list[st
         options = typing.get_args(schema)
         if any(not problems(value, option, where) for option in options):
             return []
+        others = [o for o in options if o is not type(None)]
+        structured = len(others) == 1 and (_is_typed_dict(others[0]) or typing.get_origin(others[0]) in (list, dict))
+        if value is not None and structured:  # an object or a list that is wrong inside: say where
+            return problems(value, others[0], where)
         return [f"{where}: expected {' or '.join(_name(o) for o in options)}, got {_kind(value)}"]
     if _is_typed_dict(schema):
         if not isinstance(value, dict):
