@@ -255,8 +255,8 @@ class AsyncClient(ShellBase):
         conn = 0
         try:
             while True:
-                wakeup.clear()
                 self._step(self._core.handle_timers)
+                wakeup.clear()  # set by that step itself; the state is read afresh below, with no await between
                 if not self._core.wants_connection:
                     self._driving = False
                     return
