@@ -58,6 +58,10 @@ class ClientProtocol:
         """Start decoding a new connection's stream."""
         self._decoder = FrameDecoder(self._max_frame)
 
+    def peek_id(self) -> int:
+        """The id the next request gets."""
+        return self._next_id
+
     def next_id(self) -> int:
         rid = self._next_id
         self._next_id += 1

@@ -385,9 +385,9 @@ class ClientSession:
         """A request its caller waits for; returns its id. Raises ``ValueError``, ``FrameTooLarge``."""
         if not isinstance(op, str) or not op:
             raise ValueError("op must be a non-empty string")
-        self._proto.frame(MAX_REQUEST_ID, op, args)  # too large a frame is refused now, not when sent
+        frame = self._proto.frame(self._proto.peek_id(), op, args)  # too large a frame is refused now
         self._accept(In.REQUEST)
-        return self._submit(_Pending(op, args), now)
+        return self._submit(_Pending(op, args), now, frame)
 
     def acquire(self, timeout: float | None, now: float) -> int:
         """Ask for the lock; the caller gives up ``timeout + GRACE_S`` from ``now``. Raises ``ValueError``."""
@@ -542,7 +542,8 @@ class ClientSession:
     def _log(self, level: int, message: str) -> None:
         self._emit(Logged(level, message))
 
-    def _submit(self, pending: _Pending, now: float) -> int:
+    def _submit(self, pending: _Pending, now: float, frame: bytes | None = None) -> int:
+        """``frame``: the request's, already made with the id it gets here (re-made if it waits)."""
         if self._state in (S.IDLE, S.CLOSED):  # connect on first use: the window opens now
             self._move(S.WAITING)
             self._window_end, self._attempt_at, self._delay = now + self.reconnect, now, FIRST_DELAY_S
@@ -553,7 +554,7 @@ class ClientSession:
             return rid
         self._pending[rid] = pending
         if self._state is S.READY:
-            self._send(rid, pending, now)
+            self._send(rid, pending, now, frame)
         return rid
 
     def _deadline(self, pending: _Pending) -> float | None:
@@ -573,11 +574,13 @@ class ClientSession:
         if self._heartbeat_at is not None and self.lease is not None:
             self._heartbeat_at = now + self.lease / 3  # any bytes tell the daemon we are alive
 
-    def _send(self, rid: int, pending: _Pending, now: float) -> None:
-        args = pending.args
-        if pending.op == "acquire":  # what is left of the caller's timeout
-            args = {"timeout": None if pending.give_up_at is None else max(0.0, pending.give_up_at - now)}
-        self._write(self._proto.frame(rid, pending.op, args), now)
+    def _send(self, rid: int, pending: _Pending, now: float, frame: bytes | None = None) -> None:
+        if frame is None:
+            args = pending.args
+            if pending.op == "acquire":  # what is left of the caller's timeout
+                args = {"timeout": None if pending.give_up_at is None else max(0.0, pending.give_up_at - now)}
+            frame = self._proto.frame(rid, pending.op, args)
+        self._write(frame, now)
         pending.sent_on, pending.sent_at = self._conn, now
 
     def _send_untracked(self, op: str, args: dict[str, Any] | None, now: float) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import math
 import os
-import selectors
+import select
 import socket
 import threading
 import time
@@ -204,26 +205,29 @@ class Client(ShellBase):
         """The request's result; the caller keeps the core's deadline for it (the reader may be busy connecting)."""
         rid, future = waiter
         try:
-            while not future.done():
+            while True:
                 with self._lock:
                     deadline = self._core.deadline_of(rid)
-                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-                concurrent.futures.wait((future,), wait)
-                if not future.done():
+                try:
+                    return future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except concurrent.futures.TimeoutError:
                     self._step(self._core.handle_timers)
+        except errors.TimeslicedError:
+            raise  # the request's own answer
         except BaseException:  # KeyboardInterrupt: never leave a ghost waiter
             with self._lock:
                 self._waiters.pop(rid, None)
             self._step(functools.partial(self._core.abandon, rid))
             raise
-        return future.result()
 
     def _step(self, action: Callable[[float], T]) -> T:
         """One input into the core, then its outputs carried out."""
         with self._lock:
             result = action(time.monotonic())
             later = self._flush()
-        self._wakeup.set()
+            idle = not self._core.connection
+        if idle:
+            self._wakeup.set()  # the reader may be waiting for its next attempt: let it look again
         self._dispatch(later)
         return result
 
@@ -278,28 +282,38 @@ class Client(ShellBase):
             self._reader.start()
 
     def _read_loop(self) -> None:
-        """Open connections, read them and keep the core's timers, while the core wants a connection."""
+        """Open connections, read them and keep the core's timers, while the core wants a connection.
+
+        One pass per event (bytes read, the connection gone, a deadline), with the lock taken once.
+        """
         sock: socket.socket | None = None
         conn = 0
-        selector = selectors.DefaultSelector()
+        poller = select.poll()
+        read: bytes | None = None  # what the last pass read: bytes, or b"" for the connection's end
+        reason = ""
         try:
             while True:
-                self._wakeup.clear()
                 with self._lock:
                     now = time.monotonic()
-                    self._core.handle_timers(now)
+                    if read:
+                        self._core.receive_data(conn, read, now)
+                    elif read is not None:
+                        self._core.connection_lost(conn, now, reason)
+                    deadline = self._core.next_deadline()
+                    if deadline is not None and now >= deadline:
+                        self._core.handle_timers(now)
+                        deadline = self._core.next_deadline()
                     later = self._flush()
                     done = not self._core.wants_connection
                     if done:
                         self._driving = False
-                    current, attempt_at, deadline = (
-                        self._core.connection,
-                        self._core.attempt_at,
-                        self._core.next_deadline(),
-                    )
+                    current, attempt_at = self._core.connection, self._core.attempt_at
+                    if sock is not None and (done or current != conn) and self._sock is sock:
+                        self._sock = None
                 self._dispatch(later)
+                read = None
                 if sock is not None and (done or current != conn):  # the core left this connection
-                    selector.unregister(sock)
+                    poller.unregister(sock)
                     sock.close()
                     sock = None
                 if done:
@@ -307,14 +321,20 @@ class Client(ShellBase):
                 if not current:
                     if attempt_at is None or attempt_at > now:
                         self._wakeup.wait(None if deadline is None else max(0.0, deadline - now))
+                        self._wakeup.clear()
                     else:
                         sock, conn = self._attempt()
                         if sock is not None:
-                            selector.register(sock, selectors.EVENT_READ)
+                            poller.register(sock, select.POLLIN)
                     continue
                 assert sock is not None
-                if selector.select(None if deadline is None else max(0.0, deadline - time.monotonic())):
-                    self._read(sock, conn)
+                wait = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
+                if poller.poll(wait):
+                    try:
+                        read = sock.recv(1 << 16)
+                        reason = "the daemon closed the connection"
+                    except OSError as exc:
+                        read, reason = b"", f"connection to the daemon failed: {exc}"
         except BaseException:
             log.exception("job %r: the client's reader failed; closing the client", self.job)
             with self._lock:
@@ -323,7 +343,6 @@ class Client(ShellBase):
         finally:
             if sock is not None:
                 sock.close()
-            selector.close()
 
     def _attempt(self) -> tuple[socket.socket | None, int]:
         with self._lock:
@@ -347,23 +366,6 @@ class Client(ShellBase):
             later = self._flush()
         self._dispatch(later)
         return sock, conn
-
-    def _read(self, sock: socket.socket, conn: int) -> None:
-        try:
-            data = sock.recv(1 << 16)
-            reason = "the daemon closed the connection"
-        except OSError as exc:
-            data, reason = b"", f"connection to the daemon failed: {exc}"
-        with self._lock:
-            now = time.monotonic()
-            if data:
-                self._core.receive_data(conn, data, now)
-            else:
-                self._core.connection_lost(conn, now, reason)
-                if self._core.connection != conn and self._sock is sock:
-                    self._sock = None
-            later = self._flush()
-        self._dispatch(later)
 
     # --- offload directives --------------------------------------------------------------
 
