@@ -273,14 +273,15 @@ class AsyncClient(ShellBase):
                         reader, writer, conn = await self._attempt()
                     continue
                 assert reader is not None
+                scope = _timeout(None if deadline is None else max(0.0, deadline - loop.time()))
                 try:
-                    async with _timeout(None if deadline is None else max(0.0, deadline - loop.time())):
+                    async with scope:
                         data = await reader.read(1 << 16)
                     reason = "the daemon closed the connection"
-                except TimeoutError:
-                    continue
-                except OSError as exc:
-                    data, reason = b"", f"connection to the daemon failed: {exc}"
+                except OSError as exc:  # TimeoutError included: the deadline's, or the connection's own
+                    if isinstance(exc, TimeoutError) and scope.expired():
+                        continue  # a deadline: the timers run at the top
+                    data, reason = b"", f"connection to the daemon failed: {exc or 'timed out'}"
                 if data:
                     self._step(functools.partial(self._core.receive_data, conn, data))
                 else:
