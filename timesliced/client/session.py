@@ -300,7 +300,6 @@ class ClientSession:
         self._attempt_at = 0.0  # WAITING: when the next attempt is due
         self._delay = FIRST_DELAY_S
         self._failure = ""  # why the last attempt failed or the last connection ended
-        self._stale = False  # the last attempt met a socket file with nothing listening
 
     # --- queries ----------------------------------------------------------------------
 
@@ -470,11 +469,10 @@ class ClientSession:
     def connection_failed(self, now: float, reason: str, why: Unreachable = Unreachable.ABSENT) -> None:
         """The attempt failed (``reason``: the OS's words)."""
         self._accept(In.CONNECTION_FAILED)
-        self._stale = why is Unreachable.STALE
         self._failure = (
             f"the socket {self.address} exists but nothing listens on it (a daemon that died?): "
             f"start the daemon, or remove the stale socket file {self.address}"
-            if self._stale
+            if why is Unreachable.STALE
             else reason
         )
         self._try_again(now, worth_it=why is not Unreachable.ABSENT)
@@ -547,7 +545,7 @@ class ClientSession:
         if self._state in (S.IDLE, S.CLOSED):  # connect on first use: the window opens now
             self._move(S.WAITING)
             self._window_end, self._attempt_at, self._delay = now + self.reconnect, now, FIRST_DELAY_S
-            self._failure, self._stale = "", False
+            self._failure = ""
         rid = self._proto.next_id()
         if self._state is S.READY and not pending.op:
             self._emit(Answered(rid, None))
@@ -647,7 +645,7 @@ class ClientSession:
     def _lost(self, now: float, reason: str) -> None:
         """The open connection is gone (the shell's report, a closing error, a stalled handshake)."""
         was_ready = self._state is S.READY
-        self._failure, self._stale = reason, False
+        self._failure = reason
         if not was_ready:
             if self._resuming:
                 self._log(WARNING, f"job {self.job!r}: the daemon went away again while resuming ({reason})")
@@ -792,7 +790,7 @@ class ClientSession:
         if self._resuming:
             self.reconnects += 1
         self._resuming = False
-        self._delay, self._failure, self._stale = FIRST_DELAY_S, "", False
+        self._delay, self._failure = FIRST_DELAY_S, ""
         for rid in sorted(self._pending):  # same ids: the answers reach the original waiters
             pending = self._pending[rid]
             if pending.op:
