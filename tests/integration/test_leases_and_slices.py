@@ -18,6 +18,7 @@ from timesliced.core.scheduler import SlicePolicy
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.env import default_sim_dir
 
+from ..helpers.client_shells import SHELLS, Shell, shell_of
 from ..helpers.daemon import Raw
 from ..helpers.processes import wait_for
 
@@ -39,7 +40,13 @@ def stop_later(tmp_path: Path) -> Iterator[list[EmbeddedDaemon]]:
     shutil.rmtree(default_sim_dir(tmp_path / "state"), ignore_errors=True)
 
 
-def group(c: timesliced.Client) -> dict[str, Any]:
+@pytest.fixture(params=SHELLS)
+def shell(request: pytest.FixtureRequest) -> Iterator[Shell]:
+    with shell_of(request.param) as made:
+        yield made
+
+
+def group(c: Any) -> dict[str, Any]:
     (g,) = c.status()["groups"]
     return g  # type: ignore[no-any-return]
 
@@ -51,12 +58,12 @@ def history(d: EmbeddedDaemon) -> list[tuple[str, str | None]]:
 
 
 def test_preempted_holder_is_parked_and_its_access_waits_for_the_lock(
-    tmp_path: Path, stop_later: list[EmbeddedDaemon]
+    tmp_path: Path, stop_later: list[EmbeddedDaemon], shell: Shell
 ) -> None:
     d = start(tmp_path, slice_policies={"*": SlicePolicy(0.3, "preempt", grace=0.2)})
     stop_later.append(d)
     pushes: list[tuple[str, dict[str, Any]]] = []
-    a = timesliced.Client(job="a", group="g", address=d.socket, on_push=lambda e, data: pushes.append((e, data)))
+    a = shell.client(d.socket, "a", on_push=lambda e, data: pushes.append((e, data)))
     b = timesliced.Client(job="b", group="g", address=d.socket)
     a.acquire()
     region = a.sim_alloc(6 * MiB)
@@ -87,10 +94,10 @@ def test_preempted_holder_is_parked_and_its_access_waits_for_the_lock(
     b.close()
 
 
-def test_preempted_access_raises_by_policy(tmp_path: Path, stop_later: list[EmbeddedDaemon]) -> None:
+def test_preempted_access_raises_by_policy(tmp_path: Path, stop_later: list[EmbeddedDaemon], shell: Shell) -> None:
     d = start(tmp_path, slice_policies={"g": SlicePolicy(0.2, "preempt", grace=0.0)})
     stop_later.append(d)
-    a = timesliced.Client(job="a", group="g", address=d.socket, parked_access="raise")
+    a = shell.client(d.socket, "a", parked_access="raise")
     b = timesliced.Client(job="b", group="g", address=d.socket)
     a.acquire()
     region = a.sim_alloc(MiB)
@@ -105,11 +112,13 @@ def test_preempted_access_raises_by_policy(tmp_path: Path, stop_later: list[Embe
     b.close()
 
 
-def test_warn_only_tells_the_holder_and_keeps_it(tmp_path: Path, stop_later: list[EmbeddedDaemon]) -> None:
+def test_warn_only_tells_the_holder_and_keeps_it(
+    tmp_path: Path, stop_later: list[EmbeddedDaemon], shell: Shell
+) -> None:
     d = start(tmp_path, slice_policies={"*": SlicePolicy(0.2, "warn")})
     stop_later.append(d)
     pushes: list[str] = []
-    a = timesliced.Client(job="a", group="g", address=d.socket, on_push=lambda e, _: pushes.append(e))
+    a = shell.client(d.socket, "a", on_push=lambda e, _: pushes.append(e))
     b = timesliced.Client(job="b", group="g", address=d.socket)
     a.acquire()
     with pytest.raises(errors.AcquireTimeout):
@@ -120,7 +129,9 @@ def test_warn_only_tells_the_holder_and_keeps_it(tmp_path: Path, stop_later: lis
     b.close()
 
 
-def test_a_quiet_holder_loses_the_lock_after_its_lease(tmp_path: Path, stop_later: list[EmbeddedDaemon]) -> None:
+def test_a_quiet_holder_loses_the_lock_after_its_lease(
+    tmp_path: Path, stop_later: list[EmbeddedDaemon], shell: Shell
+) -> None:
     d = start(tmp_path, lease=0.5)
     stop_later.append(d)
     quiet = Raw(d.socket)
@@ -128,7 +139,7 @@ def test_a_quiet_holder_loses_the_lock_after_its_lease(tmp_path: Path, stop_late
     assert reply["result"]["lease_s"] == 0.5
     assert quiet.call(2, "register", {"job": "quiet", "group": "g", "pids": []})["ok"]
     assert quiet.call(3, "acquire", {})["ok"]  # holds, then never speaks again
-    b = timesliced.Client(job="b", group="g", address=d.socket)
+    b = shell.client(d.socket, "b")
     started = time.monotonic()
     assert b.acquire(timeout=10).job == "b"
     assert time.monotonic() - started >= 0.4
@@ -142,10 +153,12 @@ def test_a_quiet_holder_loses_the_lock_after_its_lease(tmp_path: Path, stop_late
     b.close()
 
 
-def test_a_client_that_heartbeats_keeps_its_lock(tmp_path: Path, stop_later: list[EmbeddedDaemon]) -> None:
+def test_a_client_that_heartbeats_keeps_its_lock(
+    tmp_path: Path, stop_later: list[EmbeddedDaemon], shell: Shell
+) -> None:
     d = start(tmp_path, lease=0.3)
     stop_later.append(d)
-    a = timesliced.Client(job="a", group="g", address=d.socket)
+    a = shell.client(d.socket, "a")
     b = timesliced.Client(job="b", group="g", address=d.socket)
     a.acquire()
     with pytest.raises(errors.AcquireTimeout):

@@ -1,4 +1,4 @@
-"""The lock end to end: real sockets, a real daemon, sync and async clients."""
+"""The lock end to end: real sockets, a real daemon, each test against both client shells."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,32 +17,38 @@ import timesliced
 from timesliced import errors
 from timesliced.daemon.embedded import EmbeddedDaemon
 
+from ..helpers.client_shells import SHELLS, Shell, shell_of
 from ..helpers.daemon import TOKEN
 from ..helpers.processes import wait_for
 
 
-def client(daemon: EmbeddedDaemon, job: str, group: str = "g", **kw: object) -> timesliced.Client:
-    c = timesliced.Client(job=job, group=group, address=daemon.socket, **kw)  # type: ignore[arg-type]
-    c.connect()
-    return c
+@pytest.fixture(params=SHELLS)
+def shell(request: pytest.FixtureRequest) -> Iterator[Shell]:
+    with shell_of(request.param) as made:
+        yield made
 
 
-def group_status(c: timesliced.Client, name: str = "g") -> dict[str, object]:
-    return next(g for g in c.status()["groups"] if g["group"] == name)
+def group_status(c: Any, name: str = "g") -> dict[str, Any]:
+    return next(g for g in c.status()["groups"] if g["group"] == name)  # type: ignore[no-any-return]
 
 
-def test_acquire_release_and_grant_fields(daemon: EmbeddedDaemon) -> None:
-    with client(daemon, "a") as a:
+def queue(c: Any) -> list[str]:
+    return [w["job"] for w in group_status(c)["queue"]]
+
+
+def test_acquire_release_and_grant_fields(daemon: EmbeddedDaemon, shell: Shell) -> None:
+    with shell.client(daemon.socket, "a") as a:
         assert a.gpus == [0, 1]
         grant = a.acquire()
         assert (grant.group, grant.job, grant.fence, grant.restored) == ("g", "a", 1, False)
         assert grant.waited_s >= 0 and grant.switch_s == 0
-        assert group_status(a)["holder"] == "a"
+        assert group_status(a)["holder"] == "a" and a.lock.holding
         again = a.acquire()  # idempotent while holding
         assert again.fence == 1
         a.release()
         st = group_status(a)
         assert st["holder"] is None and st["state"] == "idle-yielded"  # a's state stays on the GPUs
+        assert not a.lock.holding
         with pytest.raises(errors.NotHolder):
             a.release()
         # nobody waited: re-acquire is immediate and moves nothing
@@ -48,31 +56,49 @@ def test_acquire_release_and_grant_fields(daemon: EmbeddedDaemon) -> None:
         assert grant.fence == 2 and not grant.restored
 
 
-def test_waiter_is_granted_on_release_with_next_fence(daemon: EmbeddedDaemon) -> None:
-    with client(daemon, "a") as a, client(daemon, "b") as b:
-        a.acquire()
-        got: list[timesliced.Grant] = []
-        t = threading.Thread(target=lambda: got.append(b.acquire()))
+def test_waiter_is_granted_on_release_with_next_fence(daemon: EmbeddedDaemon, shell: Shell) -> None:
+    a = shell.client(daemon.socket, "a", connect=True)
+    b = shell.client(daemon.socket, "b", connect=True)
+    a.acquire()
+    got: list[timesliced.Grant] = []
+    t = threading.Thread(target=lambda: got.append(b.acquire()))
+    t.start()
+    wait_for(lambda: queue(a) == ["b"])
+    with pytest.raises(errors.NotHolder):
+        b.release()  # waiting is not holding
+    time.sleep(0.05)
+    a.release()
+    t.join(5)
+    assert got and got[0].job == "b" and got[0].fence == 2 and got[0].waited_s >= 0.05
+
+
+def test_threads_of_one_client_share_its_hold(daemon: EmbeddedDaemon, shell: Shell) -> None:
+    a = shell.client(daemon.socket, "a", connect=True)
+    b = shell.client(daemon.socket, "b", connect=True)
+    b.acquire()
+    grants: list[timesliced.Grant] = []
+    threads = [threading.Thread(target=lambda: grants.append(a.acquire(timeout=10))) for _ in range(3)]
+    for t in threads:
         t.start()
-        wait_for(lambda: [w["job"] for w in group_status(a)["queue"]] == ["b"])  # type: ignore[index]
-        with pytest.raises(errors.NotHolder):
-            b.release()  # waiting is not holding
-        time.sleep(0.05)
-        a.release()
-        t.join(5)
-        assert got and got[0].job == "b" and got[0].fence == 2 and got[0].waited_s >= 0.05
+    wait_for(lambda: queue(b) == ["a"])  # one place in the queue for the job, whatever its threads ask
+    b.release()
+    for t in threads:
+        t.join(10)
+    assert [g.fence for g in grants] == [2, 2, 2] and a.lock.holding
+    a.release()
+    assert group_status(b)["holder"] is None
 
 
-def test_fifo_order_among_waiters(daemon: EmbeddedDaemon) -> None:
-    holder = client(daemon, "h")
+def test_fifo_order_among_waiters(daemon: EmbeddedDaemon, shell: Shell) -> None:
+    holder = shell.client(daemon.socket, "h", connect=True)
     holder.acquire()
     order: list[str] = []
     lock = threading.Lock()
-    clients = [client(daemon, f"w{i}") for i in range(5)]
+    clients = [shell.client(daemon.socket, f"w{i}", connect=True) for i in range(5)]
     threads = []
     for c in clients:
 
-        def run(c: timesliced.Client = c) -> None:
+        def run(c: Any = c) -> None:
             c.acquire()
             with lock:
                 order.append(c.job)
@@ -80,61 +106,45 @@ def test_fifo_order_among_waiters(daemon: EmbeddedDaemon) -> None:
 
         threads.append(threading.Thread(target=run))
         threads[-1].start()
-        wait_for(lambda c=c: c.job in [w["job"] for w in group_status(holder)["queue"]])  # type: ignore[index]
+        wait_for(lambda c=c: c.job in queue(holder))
     holder.release()
     for t in threads:
         t.join(10)
     assert order == [f"w{i}" for i in range(5)]
-    for c in [holder, *clients]:
-        c.close()
 
 
-def test_acquire_timeout_leaves_queue_and_is_never_granted(daemon: EmbeddedDaemon) -> None:
-    with client(daemon, "a") as a, client(daemon, "b") as b:
-        a.acquire()
-        with pytest.raises(errors.AcquireTimeout):
-            b.acquire(timeout=0.2)
-        assert group_status(a)["queue"] == []
-        a.release()
-        # b's expired request must not have been granted behind our back
-        st = group_status(a)
-        assert st["holder"] is None and st["fence"] == 1
+def test_acquire_timeout_leaves_queue_and_is_never_granted(daemon: EmbeddedDaemon, shell: Shell) -> None:
+    a = shell.client(daemon.socket, "a", connect=True)
+    b = shell.client(daemon.socket, "b", connect=True)
+    a.acquire()
+    with pytest.raises(errors.AcquireTimeout):
+        b.acquire(timeout=0.2)
+    assert group_status(a)["queue"] == []
+    a.release()
+    # b's expired request must not have been granted behind our back
+    st = group_status(a)
+    assert st["holder"] is None and st["fence"] == 1
+    assert b.acquire(timeout=0).fence == 2  # a timeout of 0 asks once: free, so granted
 
 
-def test_cancelled_async_acquire_leaves_queue_at_once(daemon: EmbeddedDaemon) -> None:
-    async def scenario() -> None:
-        async with (
-            timesliced.AsyncClient(job="a", group="g", address=daemon.socket) as a,
-            timesliced.AsyncClient(job="b", group="g", address=daemon.socket) as b,
-        ):
-            await a.acquire()
-            task = asyncio.ensure_future(b.acquire())
-            await asyncio.sleep(0.1)
-            assert [w["job"] for w in _group(await a.status())["queue"]] == ["b"]
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            for _ in range(100):
-                if not _group(await a.status())["queue"]:
-                    break
-                await asyncio.sleep(0.01)
-            assert _group(await a.status())["queue"] == []
-            await a.release()
-            st = _group(await a.status())
-            assert st["holder"] is None and st["fence"] == 1
-            async with b.aslice() as grant:  # b can still use the lock normally
-                assert grant.fence == 2
-
-    asyncio.run(scenario())
+def test_an_interrupted_acquire_leaves_the_queue_at_once(daemon: EmbeddedDaemon, shell: Shell) -> None:
+    """``Client``: KeyboardInterrupt; ``AsyncClient``: its task cancelled. No ghost waiter is ever granted."""
+    a = shell.client(daemon.socket, "a", connect=True)
+    b = shell.client(daemon.socket, "b", connect=True)
+    a.acquire()
+    shell.interrupt_acquire(b, after=0.3)
+    wait_for(lambda: group_status(a)["queue"] == [], timeout=1.0)
+    a.release()
+    st = group_status(a)
+    assert st["holder"] is None and st["fence"] == 1
+    with b.slice() as grant:  # b can still use the lock normally
+        assert grant.fence == 2 and group_status(a)["holder"] == "b"
+    assert group_status(a)["holder"] is None
 
 
-def _group(status: dict[str, object], name: str = "g") -> dict[str, object]:
-    return next(g for g in status["groups"] if g["group"] == name)  # type: ignore[attr-defined, index]
-
-
-def test_holder_connection_drop_hands_lock_on(daemon: EmbeddedDaemon) -> None:
-    a = client(daemon, "a")
-    b = client(daemon, "b")
+def test_holder_connection_drop_hands_lock_on(daemon: EmbeddedDaemon, shell: Shell) -> None:
+    a = shell.client(daemon.socket, "a", connect=True)
+    b = shell.client(daemon.socket, "b", connect=True)
     a.acquire()
     got: list[timesliced.Grant] = []
     t = threading.Thread(target=lambda: got.append(b.acquire()))
@@ -143,15 +153,21 @@ def test_holder_connection_drop_hands_lock_on(daemon: EmbeddedDaemon) -> None:
     a.close()  # connection gone: a loses the lock
     t.join(5)
     assert got and got[0].job == "b"
-    b.close()
 
 
-def test_slice_releases_on_exception_and_decorator(daemon: EmbeddedDaemon) -> None:
-    with client(daemon, "a") as a:
+def test_slice_releases_on_exception(daemon: EmbeddedDaemon, shell: Shell) -> None:
+    with shell.client(daemon.socket, "a") as a:
         with pytest.raises(RuntimeError), a.slice():
             assert group_status(a)["holder"] == "a"
             raise RuntimeError("boom")
+        assert group_status(a)["holder"] is None and not a.lock.holding
+        with a.slice(timeout=5) as grant:
+            assert grant.fence == 2
         assert group_status(a)["holder"] is None
+
+
+def test_sync_decorator(daemon: EmbeddedDaemon) -> None:
+    with timesliced.Client(job="a", group="g", address=daemon.socket) as a:
 
         @a.on_accelerators()
         def step(x: int) -> object:
@@ -171,38 +187,63 @@ def test_async_decorator_and_slice(daemon: EmbeddedDaemon) -> None:
 
             assert await step() == "a"
             assert _group(await a.status())["holder"] is None
+            with pytest.raises(asyncio.CancelledError):
+                async with a.aslice():  # a slice whose block is cancelled still gives the lock back
+                    raise asyncio.CancelledError
+            assert _group(await a.status())["holder"] is None and not a.lock.holding
 
     asyncio.run(scenario())
 
 
-def test_registration_errors(daemon: EmbeddedDaemon) -> None:
-    with client(daemon, "a", gpus=[0]):
+def test_an_async_client_works_without_async_with(daemon: EmbeddedDaemon) -> None:
+    async def scenario() -> None:
+        c = timesliced.AsyncClient(job="a", group="g", address=daemon.socket)
+        assert (await c.acquire()).fence == 1  # connects on first use
+        await c.release()
+        await c.close()
+        await c.connect()  # and again after a close
+        assert (await c.acquire()).fence == 2
+        await c.close()
+
+    asyncio.run(scenario())
+
+
+def _group(status: dict[str, Any], name: str = "g") -> dict[str, Any]:
+    return next(g for g in status["groups"] if g["group"] == name)  # type: ignore[no-any-return]
+
+
+def test_registration_errors(daemon: EmbeddedDaemon, shell: Shell) -> None:
+    with shell.client(daemon.socket, "a", gpus=[0]):
         with pytest.raises(errors.GroupMismatch):
-            client(daemon, "b", gpus=[1])  # group g is GPU 0 only
+            shell.client(daemon.socket, "b", gpus=[1], connect=True)  # group g is GPU 0 only
         with pytest.raises(errors.UnknownDevice):
-            client(daemon, "c", group="other", gpus=[7])
+            shell.client(daemon.socket, "c", group="other", gpus=[7], connect=True)
         with pytest.raises(errors.GroupMismatch):
-            client(daemon, "a", group="elsewhere")
+            shell.client(daemon.socket, "a", group="elsewhere", connect=True)
 
 
-def test_tcp_clients(daemon: EmbeddedDaemon) -> None:
+def test_tcp_clients(daemon: EmbeddedDaemon, shell: Shell) -> None:
     assert daemon.daemon is not None and daemon.daemon.tcp_address is not None
     host, port = daemon.daemon.tcp_address
-    with timesliced.Client(job="remote", group="g", address=f"{host}:{port}", token=TOKEN) as c:
+    with shell.client(f"{host}:{port}", "remote", token=TOKEN) as c:
         assert c.acquire().fence == 1
         c.release()
 
 
-def test_unreachable_daemon_is_connection_lost(tmp_path: object) -> None:
-    with pytest.raises(errors.ConnectionLost):
-        timesliced.Client(job="a", group="g", address="/nonexistent/timesliced.sock").connect()
+def test_unreachable_daemon_is_connection_lost_at_once(tmp_path: Path, shell: Shell) -> None:
+    started = time.monotonic()
+    with pytest.raises(errors.ConnectionLost, match="cannot reach the timesliced daemon at /nonexistent"):
+        shell.client("/nonexistent/timesliced.sock", "a").connect()  # reconnect=60, but nothing is there
+    with pytest.raises(errors.ConnectionLost, match="cannot reach"):
+        shell.client("/nonexistent/timesliced.sock", "a").acquire(timeout=30)
+    assert time.monotonic() - started < 2
 
 
-def test_daemon_stop_fails_waiters_with_connection_lost(tmp_path: object) -> None:
+def test_daemon_stop_fails_waiters_with_connection_lost(shell: Shell) -> None:
     embedded = EmbeddedDaemon(gpus=1, gpu_memory=8 << 20)
     embedded.start()
-    a = client(embedded, "a", reconnect=0)  # clients that do not wait for a restarted daemon
-    b = client(embedded, "b", reconnect=0)
+    a = shell.client(embedded.socket, "a", reconnect=0, connect=True)  # clients that do not wait for a restart
+    b = shell.client(embedded.socket, "b", reconnect=0, connect=True)
     a.acquire()
     errs: list[BaseException] = []
 
@@ -214,14 +255,12 @@ def test_daemon_stop_fails_waiters_with_connection_lost(tmp_path: object) -> Non
 
     t = threading.Thread(target=wait)
     t.start()
-    time.sleep(0.1)
+    wait_for(lambda: queue(a) == ["b"])
     embedded.stop()
     t.join(5)
     assert errs and isinstance(errs[0], errors.ConnectionLost)
     with pytest.raises(errors.ConnectionLost):
         a.release()
-    a.close()
-    b.close()
 
 
 @pytest.mark.parametrize(
@@ -233,11 +272,11 @@ def test_daemon_stop_fails_waiters_with_connection_lost(tmp_path: object) -> Non
     ],
 )
 def test_register_refuses_pids_that_are_not_processes(
-    daemon: EmbeddedDaemon, pid: int, error: type[Exception], match: str
+    daemon: EmbeddedDaemon, shell: Shell, pid: int, error: type[Exception], match: str
 ) -> None:
     with pytest.raises(error, match=match):
-        client(daemon, "x", pids=[pid])
-    with client(daemon, "y") as y:  # the daemon is unharmed
+        shell.client(daemon.socket, "x", pids=[pid], connect=True)
+    with shell.client(daemon.socket, "y") as y:  # the daemon is unharmed
         assert y.acquire().job == "y"
 
 
@@ -267,5 +306,5 @@ def test_a_second_daemon_leaves_the_first_ones_socket_alone(daemon: EmbeddedDaem
             EmbeddedDaemon(config).start()
     finally:
         shutil.rmtree(default_sim_dir(config.state_dir), ignore_errors=True)
-    with client(daemon, "still-here") as c:
+    with timesliced.Client(job="still-here", group="g", address=daemon.socket) as c:
         assert c.acquire().job == "still-here"

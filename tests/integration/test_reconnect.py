@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.daemon.journal import Journal
 from timesliced.env import default_sim_dir
 
+from ..helpers.client_shells import SHELLS, Shell, shell_of
 from ..helpers.processes import wait_for
 
 MiB = 1 << 20
@@ -29,15 +30,21 @@ def config(tmp_path: Path) -> Iterator[DaemonConfig]:
     shutil.rmtree(default_sim_dir(state), ignore_errors=True)
 
 
+@pytest.fixture(params=SHELLS)
+def shell(request: pytest.FixtureRequest) -> Iterator[Shell]:
+    with shell_of(request.param) as made:
+        yield made
+
+
 def restart(old: EmbeddedDaemon, config: DaemonConfig) -> EmbeddedDaemon:
     old.stop()
     return EmbeddedDaemon(config).start()
 
 
-def test_holder_gets_the_lock_back_first_and_the_waiter_keeps_waiting(config: DaemonConfig) -> None:
+def test_holder_gets_the_lock_back_first_and_the_waiter_keeps_waiting(config: DaemonConfig, shell: Shell) -> None:
     d = EmbeddedDaemon(config).start()
-    a = timesliced.Client(job="a", group="g", address=d.socket)
-    b = timesliced.Client(job="b", group="g", address=d.socket)
+    a = shell.client(d.socket, "a")
+    b = shell.client(d.socket, "b")
     try:
         a.acquire()
         region = a.sim_alloc(6 * MiB)
@@ -50,7 +57,7 @@ def test_holder_gets_the_lock_back_first_and_the_waiter_keeps_waiting(config: Da
         d = restart(d, config)
         assert region.checksum() == expected  # the holder's bytes stayed resident through the restart
         order.append("a releases")
-        a.release()
+        a.release()  # waits for the reconnection, which takes the lock back first
         waiter.join(30)
         assert order == ["a releases", "b granted"]
         assert a.reconnects == 1 and b.reconnects == 1
@@ -67,36 +74,35 @@ def test_holder_gets_the_lock_back_first_and_the_waiter_keeps_waiting(config: Da
         d.stop()
 
 
-def test_async_client_reconnects_and_keeps_its_hold(config: DaemonConfig) -> None:
+def test_requests_made_while_reconnecting_wait_and_keep_their_order(config: DaemonConfig, shell: Shell) -> None:
     d = EmbeddedDaemon(config).start()
-
-    async def scenario() -> EmbeddedDaemon:
-        c = timesliced.AsyncClient(job="a", group="g", address=d.socket)
-        await c.connect()
-        await c.acquire()
-        region = await c.sim_alloc(MiB)
-        region.fill(b"async")
-        expected = region.checksum()
-        restarted = await asyncio.get_running_loop().run_in_executor(None, restart, d, config)
-        result = await c.release()  # waits for the reconnection, which takes the lock back first
-        assert result["group"] == "g" and c.reconnects == 1
-        assert region.checksum() == expected
-        (group,) = (await c.status())["groups"]
+    c = shell.client(d.socket, "a", connect=True)
+    try:
+        c.acquire()
+        d.stop()
+        results: list[str] = []
+        restarting = threading.Thread(target=lambda: results.append(str(c.release()["group"])))
+        restarting.start()  # made while the daemon is gone
+        time.sleep(0.3)
+        d = EmbeddedDaemon(config).start()
+        restarting.join(30)
+        assert results == ["g"] and c.reconnects == 1 and not c.lock.holding
+        (group,) = c.status()["groups"]
         assert group["holder"] is None
-        await c.close()
-        return restarted
-
-    d = asyncio.run(scenario())
-    d.stop()
+    finally:
+        c.close()
+        d.stop()
 
 
-def test_without_reconnect_a_lost_daemon_is_an_error(config: DaemonConfig) -> None:
+def test_without_reconnect_a_lost_daemon_is_an_error(config: DaemonConfig, shell: Shell) -> None:
     d = EmbeddedDaemon(config).start()
-    a = timesliced.Client(job="a", group="g", address=d.socket, reconnect=0)
+    a = shell.client(d.socket, "a", reconnect=0)
     a.acquire()
     d.stop()
     with pytest.raises(timesliced.errors.ConnectionLost):
         a.release()
+    with pytest.raises(timesliced.errors.ConnectionLost):
+        a.status()  # lost until closed
     a.close()
 
 

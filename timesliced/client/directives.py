@@ -24,7 +24,7 @@ def directive_worker(job: str) -> concurrent.futures.ThreadPoolExecutor:
 class OffloadExecutor(Protocol):
     """What carries out the daemon's offload directives inside the workload.
 
-    ``timesliced.client.offload.Offloader`` and ``torch_offload.TorchOffload``
+    ``timesliced.client.offload.Offloader`` and ``timesliced.client.offload.TorchOffload``
     are such executors; ``park`` / ``unpark`` return figures (a mapping, or an
     object with ``to_wire()``) with at least ``nbytes`` and ``seconds``, and
     ``footprint`` (gpu -> bytes held when resident) where known.

@@ -1,13 +1,12 @@
-"""The client's protocol core, shared by ``Client`` and ``AsyncClient`` (pure).
+"""What both client shells take from the process and its environment: the address, the hello, the token.
 
-It numbers requests, frames them, decodes what the daemon sends and turns
-replies into results or typed exceptions. The two shells only move bytes and
-wait.
+The pure parts live in ``codec.py`` (requests, frames, grants) and
+``session.py`` (the connection's state machine, ``LockState``); their names
+are re-exported here, where they lived before.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -17,40 +16,26 @@ from typing import Any
 from .. import errors
 from ..env import TOKEN_ENV, default_socket_path, read_token
 from ..util.parse import parse_host_port
-from ..wire.codec import DEFAULT_MAX_FRAME, FrameDecoder, encode
-from ..wire.messages import PROTOCOL_VERSION, Push, Reply, Request, parse_incoming
+from ..wire.messages import PROTOCOL_VERSION
 from ..wire.park import METHODS, ParkSpec
 from ..wire.proof import Purpose, prove
+from .codec import ClientProtocol, Grant, acquire_args, lease_of, result_of
+from .session import LockState, Unreachable
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Grant:
-    """What an acquire returns: the lock is held until ``release()``."""
-
-    group: str
-    job: str
-    fence: int  # grows with every grant of the group
-    waited_s: float  # time spent in the queue
-    switch_s: float  # time spent parking others and restoring this job
-    restored: bool  # False: the job's state was still on the GPU, nothing moved
-    term: int = 0  # the leader's election term: (term, fence) grows with every grant, across leaders
-
-    @classmethod
-    def from_wire(cls, result: Any) -> Grant:
-        try:
-            return cls(
-                str(result["group"]),
-                str(result["job"]),
-                int(result["fence"]),
-                float(result["waited_s"]),
-                float(result["switch_s"]),
-                bool(result["restored"]),
-                int(result.get("term", 0)),
-            )
-        except (KeyError, TypeError, ValueError):
-            raise errors.ProtocolError(f"malformed grant from daemon: {result!r}") from None
+__all__ = [
+    "Address",
+    "ClientProtocol",
+    "Grant",
+    "LockState",
+    "acquire_args",
+    "auth_args",
+    "dial_failure",
+    "hello_args",
+    "lease_of",
+    "register_args",
+    "resolve_address",
+    "result_of",
+]
 
 
 @dataclass(frozen=True)
@@ -76,79 +61,6 @@ def resolve_address(address: str | os.PathLike[str] | None) -> Address:
         host, port = parse_host_port(text)
         return Address("tcp", host=host, port=port)
     return Address("unix", path=text)
-
-
-class ClientProtocol:
-    """Request numbering and frame decoding for one client.
-
-    Request ids keep growing across connections (``new_connection``), so a request
-    re-sent after a reconnection keeps its id and its waiter.
-    """
-
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
-        self._decoder = FrameDecoder(max_frame)
-        self._max_frame = max_frame
-        self._next_id = 1
-
-    def new_connection(self) -> None:
-        """Start decoding a new connection's stream."""
-        self._decoder = FrameDecoder(self._max_frame)
-
-    def request(self, op: str, args: dict[str, Any] | None = None) -> tuple[int, bytes]:
-        rid = self._next_id
-        self._next_id += 1
-        return rid, self.frame(rid, op, args)
-
-    def frame(self, rid: int, op: str, args: dict[str, Any] | None = None) -> bytes:
-        return encode(Request(rid, op, args or {}).to_wire(), self._max_frame)
-
-    def receive(self, data: bytes) -> list[Reply | Push]:
-        """Decode ``data``; raises ``ProtocolError`` if the daemon broke the protocol.
-
-        A reply without an id is the daemon closing the connection with an
-        error; it is raised as that error.
-        """
-        out: list[Reply | Push] = []
-        for message in self._decoder.feed(data):
-            if "push" not in message and message.get("id") is None and message.get("ok") is False:
-                raise errors.from_wire(message.get("error"))
-            out.append(parse_incoming(message))
-        return out
-
-
-@dataclass
-class LockState:
-    """What a client knows of its hold on the lock, from its own calls and the daemon's pushes."""
-
-    job: str
-    holding: bool = False  # granted and not released: a reconnection asks for the lock back first
-    preempted: str | None = None  # why, while it waits to be granted again after a preemption
-    faulted: str | None = None
-
-    def on_push(self, event: str, data: dict[str, Any]) -> None:
-        if event == "faulted":
-            self.faulted = str(data.get("reason", "faulted"))
-        elif event == "preempted":
-            self.preempted = str(data.get("reason", "preempted"))
-            log.warning("job %r: %s", self.job, self.preempted)
-        elif event == "granted":
-            self.preempted = None
-        elif event == "lock_lost":
-            self.holding, self.preempted = False, None
-        elif event == "slice_overdue":
-            log.warning("job %r: %s", self.job, data.get("reason", "its slice is over"))
-
-    def granted(self) -> None:
-        self.holding = True
-
-    def released(self) -> None:
-        self.holding, self.preempted = False, None
-
-
-def lease_of(hello: dict[str, Any]) -> float | None:
-    """The heartbeat lease the daemon announced in its hello, if any."""
-    lease = hello.get("lease_s")
-    return float(lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) and lease > 0 else None
 
 
 def hello_args() -> dict[str, Any]:
@@ -193,14 +105,13 @@ def register_args(
     return args
 
 
-def acquire_args(timeout: float | None) -> dict[str, Any]:
-    if timeout is not None and not timeout >= 0:
-        raise ValueError("timeout must be >= 0 or None")
-    return {"timeout": timeout}
+def dial_failure(address: Address, exc: OSError) -> tuple[str, Unreachable]:
+    """How an attempt to connect failed, for ``ClientSession.connection_failed``.
 
-
-def result_of(reply: Reply) -> Any:
-    if reply.ok:
-        return reply.result
-    assert reply.error is not None
-    raise reply.error
+    A daemon that was killed leaves its socket file behind (one that stopped
+    removes it), and connecting to it is refused.
+    """
+    reason = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else exc.__class__.__name__)
+    if address.kind == "unix" and os.path.exists(address.path):
+        return reason, Unreachable.STALE if isinstance(exc, ConnectionRefusedError) else Unreachable.BUSY
+    return reason, Unreachable.ABSENT

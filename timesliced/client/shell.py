@@ -1,0 +1,148 @@
+"""What ``Client`` and ``AsyncClient`` share around their session core: configuration, what they show, pushes, logs.
+
+Each shell adds only its I/O: how it waits, moves bytes and runs offload
+directives (``_start_io`` and ``_run_directive``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ..wire.park import ParkSpec
+from .directives import OffloadExecutor
+from .protocol import auth_args, hello_args, register_args, resolve_address
+from .session import ClientSession, LockState, Logged, Pushed
+
+log = logging.getLogger("timesliced.client")
+
+
+class ShellBase:
+    """The constructor and the read-only view of a client; see ``Client`` for the arguments."""
+
+    def __init__(
+        self,
+        job: str,
+        group: str,
+        *,
+        address: str | os.PathLike[str] | None = None,
+        gpus: list[int] | None = None,
+        pids: list[int] | None = None,
+        connect_timeout: float = 10.0,
+        request_timeout: float = 60.0,
+        on_push: Callable[[str, dict[str, Any]], None] | None = None,
+        park: str | ParkSpec | None = None,
+        offloader: OffloadExecutor | None = None,
+        token: str | None = None,
+        reconnect: float = 60.0,
+        parked_access: str = "wait",
+    ) -> None:
+        if parked_access not in ("wait", "raise"):
+            raise ValueError("parked_access must be 'wait' or 'raise'")
+        self.job = job
+        self.group = group
+        self.address = resolve_address(address)
+        self.offloader = offloader
+        self.on_push = on_push
+        self.parked_access = parked_access
+
+        def prove(hello: Any) -> dict[str, Any] | None:  # a closure: the token shows in no repr
+            return auth_args(hello, token)
+
+        self._core = ClientSession(
+            job,
+            register_args(job, group, gpus, pids, park),
+            hello_args(),
+            address=str(self.address),
+            auth=prove,
+            reconnect=reconnect,
+            connect_timeout=connect_timeout,
+            request_timeout=request_timeout,
+        )
+        self._start_io()
+
+    def _start_io(self) -> None:
+        """The shell's own state (sockets, waiters, its driver)."""
+        raise NotImplementedError
+
+    # --- what the client shows ------------------------------------------------------------
+
+    @property
+    def session(self) -> int | None:
+        """The daemon's number for this client's registration (a new one after each reconnection)."""
+        return self._core.session
+
+    @property
+    def gpus(self) -> list[int]:
+        """The GPUs of the job's group, as the daemon registered them."""
+        return self._core.gpus
+
+    @property
+    def lock(self) -> LockState:
+        """What the client knows of its hold on the lock."""
+        return self._core.lock
+
+    @property
+    def reconnects(self) -> int:
+        """How many times the client connected again and resumed after losing its daemon."""
+        return self._core.reconnects
+
+    @property
+    def faulted(self) -> str | None:
+        """Why the job is faulted (its state could not be moved), or None."""
+        return self._core.lock.faulted
+
+    @property
+    def preempted(self) -> str | None:
+        """Why, while the job waits to be granted again after the daemon preempted it; else None."""
+        return self._core.lock.preempted
+
+    @property
+    def reconnect(self) -> float:
+        """How long a lost daemon (or a first connection that is refused) is waited for, in seconds."""
+        return self._core.reconnect
+
+    @reconnect.setter
+    def reconnect(self, value: float) -> None:
+        self._core.reconnect = value
+
+    @property
+    def connect_timeout(self) -> float:
+        return self._core.connect_timeout
+
+    @connect_timeout.setter
+    def connect_timeout(self, value: float) -> None:
+        self._core.connect_timeout = value
+
+    @property
+    def request_timeout(self) -> float:
+        return self._core.request_timeout
+
+    @request_timeout.setter
+    def request_timeout(self, value: float) -> None:
+        self._core.request_timeout = value
+
+    @property
+    def _register(self) -> dict[str, Any]:
+        """The args of the job's registration, read at every registration."""
+        return self._core.register
+
+    # --- the core's outputs that both shells carry out alike ------------------------------------
+
+    def _logged(self, out: Logged) -> None:
+        log.log(out.level, "%s", out.message)
+
+    def _pushed(self, out: Pushed) -> None:
+        if out.event == "offload":
+            self._run_directive(out.data)
+        if self.on_push is not None:
+            try:
+                self.on_push(out.event, out.data)
+            except Exception:
+                log.exception("on_push callback failed")
+
+    def _run_directive(self, data: dict[str, Any]) -> None:
+        """Carry out an offload directive off the reader, then answer ``offload_done``."""
+        raise NotImplementedError
