@@ -25,6 +25,8 @@ from timesliced.dashboard import fmt_bytes, fmt_duration, fmt_gbps, fmt_pct, job
 from ..helpers.browser import Console, ServedApp, screenshot, wait_live
 from ..helpers.evolving_source import EvolvingSource
 
+pytestmark = pytest.mark.slow  # the quick loop (-m "not slow") leaves these out
+
 MiB = 1 << 20
 TOKEN = "s3cret-admin-token-for-tests"
 INTERVAL = 0.2

@@ -24,6 +24,8 @@ from timesliced.daemon.embedded import EmbeddedDaemon
 
 from ..helpers.browser import screenshot, wait_live
 
+pytestmark = pytest.mark.slow  # the quick loop (-m "not slow") leaves these out
+
 SCALE = 0.6  # every phase of the demo jobs, shortened
 
 

@@ -218,6 +218,7 @@ def test_the_token_opens_tcp_and_the_unix_socket_needs_none(
     raw.close()
 
 
+@pytest.mark.slow
 def test_an_unproven_tcp_connection_is_closed_after_the_handshake_timeout(daemon: EmbeddedDaemon) -> None:
     raw = TcpRaw(daemon)
     raw.challenge()  # then silence: handshake_timeout is 1 s in the fixture
@@ -507,6 +508,7 @@ def _post(d: EmbeddedDaemon, path: str, token: str | None = None) -> tuple[int, 
         return e.code, body
 
 
+@pytest.mark.slow
 def test_admin_actions_without_or_with_a_wrong_token_change_nothing() -> None:
     admin_token = "the-admin-token-1a2b3c4d5e"
     for configured in (admin_token, None):  # None: no admin token, the dashboard is read-only

@@ -102,6 +102,7 @@ def test_oversized_frame_is_refused_before_its_body(raw: Raw, bystander: timesli
     assert_bystander_fine(bystander)
 
 
+@pytest.mark.slow
 def test_half_frame_stall_is_closed(raw: Raw, bystander: timesliced.Client) -> None:
     raw.hello()
     raw.send_bytes(struct.pack(">I", 100) + b"\x80")  # 1 of 100 bytes, then silence
@@ -113,6 +114,7 @@ def test_half_frame_stall_is_closed(raw: Raw, bystander: timesliced.Client) -> N
     assert_bystander_fine(bystander)
 
 
+@pytest.mark.slow
 def test_request_before_hello_and_wrong_version(daemon: EmbeddedDaemon, bystander: timesliced.Client) -> None:
     early = Raw(daemon.socket)
     reply = early.call(1, "status")

@@ -19,6 +19,8 @@ from timesliced.env import default_sim_dir
 
 from ..helpers.processes import REPO, run_python, wait_for
 
+pytestmark = pytest.mark.slow  # the quick loop (-m "not slow") leaves these out
+
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}

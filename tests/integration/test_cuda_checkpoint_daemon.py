@@ -120,6 +120,7 @@ def test_a_restore_without_room_is_refused_and_never_attempted(node: Node) -> No
         assert outsider
 
 
+@pytest.mark.slow
 def test_a_lock_that_times_out_faults_the_job_and_leaves_it_running(node: Node) -> None:
     pa, pb = node.process(6), node.process(6)
     node.driver.busy(pb)  # b's GPU work never drains: its lock times out

@@ -65,6 +65,7 @@ def test_the_fake_drives_processes_without_cuda_python() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+@pytest.mark.slow
 def test_its_users_are_collected_without_cuda_python() -> None:
     run_pytest = WITHOUT_CUDA + "import pytest\nraise SystemExit(pytest.main(sys.argv[1:]))\n"
     done = python(run_pytest, "--collect-only", "-q", "-rs", "-p", "no:cacheprovider", *USERS)

@@ -211,6 +211,7 @@ def test_error_answer_names_method_url_status_and_an_excerpt() -> None:
     run(body())
 
 
+@pytest.mark.slow
 def test_timeout_names_the_endpoint_and_the_sleep_is_undone() -> None:
     # The engine finishes the sleep after the backend gave up; the wake queues behind it.
     async def body() -> None:
@@ -344,6 +345,7 @@ def test_a_failed_rollback_is_reported() -> None:
     run(body())
 
 
+@pytest.mark.slow
 def test_all_replicas_timing_out_is_a_timeout() -> None:
     async def body() -> None:
         async with rig(FakeVllm, n=2, timeout=0.2) as (b, fakes):

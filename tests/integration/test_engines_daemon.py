@@ -19,6 +19,8 @@ from timesliced.wire.park import ParkSpec
 
 from ..helpers.processes import REPO, wait_for
 
+pytestmark = pytest.mark.slow  # the quick loop (-m "not slow") leaves these out
+
 
 class EngineProcess:
     """``python -m tests.fakes.engines KIND`` on a free port, driven over its control routes."""

@@ -140,6 +140,7 @@ def test_passes_a_half_close_on(proxy: FaultProxy) -> None:
         assert sock.recv(100) == b""
 
 
+@pytest.mark.slow
 def test_blackhole_drops_bytes_both_ways(proxy: FaultProxy, echo: EchoServer) -> None:
     with dial(proxy.port) as old:
         assert echoes(old)

@@ -57,6 +57,7 @@ def history(d: EmbeddedDaemon) -> list[tuple[str, str | None]]:
     return [(e.kind, e.job) for e in d.daemon.history.events]
 
 
+@pytest.mark.slow
 def test_preempted_holder_is_parked_and_its_access_waits_for_the_lock(
     tmp_path: Path, stop_later: list[EmbeddedDaemon], shell: Shell
 ) -> None:
@@ -112,6 +113,7 @@ def test_preempted_access_raises_by_policy(tmp_path: Path, stop_later: list[Embe
     b.close()
 
 
+@pytest.mark.slow
 def test_warn_only_tells_the_holder_and_keeps_it(
     tmp_path: Path, stop_later: list[EmbeddedDaemon], shell: Shell
 ) -> None:
@@ -129,6 +131,7 @@ def test_warn_only_tells_the_holder_and_keeps_it(
     b.close()
 
 
+@pytest.mark.slow
 def test_a_quiet_holder_loses_the_lock_after_its_lease(
     tmp_path: Path, stop_later: list[EmbeddedDaemon], shell: Shell
 ) -> None:
@@ -153,6 +156,7 @@ def test_a_quiet_holder_loses_the_lock_after_its_lease(
     b.close()
 
 
+@pytest.mark.slow
 def test_a_client_that_heartbeats_keeps_its_lock(
     tmp_path: Path, stop_later: list[EmbeddedDaemon], shell: Shell
 ) -> None:

@@ -116,6 +116,7 @@ def test_a_job_with_two_processes_parks_in_both_and_undoes_a_partial_park(daemon
         assert st["location"] == "resident" and "copy engine fell over" in st["faulted"]
 
 
+@pytest.mark.slow
 def test_a_connection_that_closes_mid_park_faults_the_job(daemon: EmbeddedDaemon) -> None:
     hang = threading.Event()
     ra, rb = Recorder(), Recorder(hang=hang)
@@ -213,6 +214,7 @@ print(json.dumps({"job": job, "data_errors": data_errors, "restored": restored,
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tags", "parked_bytes"), [("", 5 << 20), ("lora", 1 << 20)])
 def test_processes_offload_their_regions_and_every_byte_survives(
     daemon: EmbeddedDaemon, tags: str, parked_bytes: int

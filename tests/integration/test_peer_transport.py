@@ -486,6 +486,7 @@ def test_a_peer_restart_reconnects_and_reports_the_link_down_then_up() -> None:
     run(body)
 
 
+@pytest.mark.slow
 def test_a_peer_that_stops_reading_is_dropped_and_redialed(caplog: pytest.LogCaptureFixture) -> None:
     async def body(net: Net) -> None:
         accepter = Accepter(net, answer_as="b")  # welcomes, then never reads

@@ -115,6 +115,7 @@ class _Source:
         return True
 
 
+@pytest.mark.slow
 def test_wrong_admin_tokens_are_answered_one_at_a_time_after_a_delay(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(admin, "WRONG_TOKEN_DELAY_S", 0.3)
 

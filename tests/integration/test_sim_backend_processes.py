@@ -59,6 +59,7 @@ def test_client_in_another_process_writes_real_shared_bytes(sims: Sims) -> None:
     assert done.stdout.startswith("NotResident:") and "parked in host memory" in done.stdout
 
 
+@pytest.mark.slow
 def test_a_reader_in_another_process_never_sees_a_torn_table(sims: Sims) -> None:
     b = sims.backend(capacity=256 * PAGE)
     info = b.alloc("a", 0, 3 * PAGE)

@@ -15,6 +15,8 @@ from timesliced.daemon.embedded import EmbeddedDaemon
 
 from ..helpers.processes import spawn_python, wait_for
 
+pytestmark = pytest.mark.slow  # the quick loop (-m "not slow") leaves these out
+
 MiB = 1 << 20
 
 WORKER = """

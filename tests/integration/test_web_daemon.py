@@ -72,6 +72,7 @@ def test_metrics_health_and_readiness(served: EmbeddedDaemon) -> None:
         assert call(served, "/readyz")[0] == 200
 
 
+@pytest.mark.slow
 def test_admin_actions_need_the_token(served: EmbeddedDaemon) -> None:
     with (
         timesliced.Client(job="stuck", group="g", address=served.socket) as stuck,

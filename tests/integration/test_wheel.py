@@ -8,7 +8,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from ..helpers.processes import REPO
+
+pytestmark = pytest.mark.slow  # the quick loop (-m "not slow") leaves these out
 
 SERVE_EVERYTHING = """
 import json, sys, urllib.request

@@ -156,6 +156,7 @@ def feed_all(decoder: FrameDecoder, chunks: list[bytes]) -> tuple[list[dict[str,
 # --- the frame decoder ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=streams, cuts=st.lists(st.integers(0, 1 << 12), max_size=10), max_frame=max_frames)
 def test_any_stream_decodes_the_same_however_it_is_cut(data: bytes, cuts: list[int], max_frame: int) -> None:
@@ -175,6 +176,7 @@ def test_any_stream_decodes_the_same_however_it_is_cut(data: bytes, cuts: list[i
                 decoder.feed(more)
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=150)
 @given(rs=st.lists(requests, min_size=1, max_size=5), ms=mutations, cuts=st.lists(st.integers(0, 1 << 12), max_size=8))
 def test_mutated_requests_yield_requests_or_protocol_errors(
@@ -193,6 +195,7 @@ def test_mutated_requests_yield_requests_or_protocol_errors(
         assert same(messages, rs)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(body=st.one_of(st.binary(max_size=64), st.builds(msgpack.packb, values), st.builds(msgpack.packb, maps)))
 def test_decode_body_agrees_with_msgpack(body: bytes) -> None:
@@ -241,6 +244,7 @@ def test_deep_frames_are_refused_before_anyone_walks_them(levels: int) -> None:
 # --- request and reply validation -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @FUZZ
 @given(msg=st.one_of(maps, requests, st.builds(lambda r, extra: {**r, **extra}, requests, maps)))
 @example({"id": 1, "op": "x" * (MAX_OP_CHARS + 1)})
@@ -257,6 +261,7 @@ def test_parse_request_takes_any_map(msg: dict[str, Any]) -> None:
     assert isinstance(request.args, dict)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(msg=st.one_of(maps, st.builds(lambda m, e: {**m, "ok": False, "error": e}, maps, values)))
 def test_parse_incoming_takes_any_map(msg: dict[str, Any]) -> None:

@@ -581,6 +581,7 @@ def run(rng: random.Random, steps: int) -> Run:
     return r
 
 
+@pytest.mark.slow
 @settings(
     max_examples=200,
     deadline=None,
@@ -599,6 +600,7 @@ def test_long_seeded_runs(seed: int) -> None:
     assert r.grants > 50  # the run did real work
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_faults_at_random_calls_change_nothing(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     r = FaultyRun(random.Random(seed), Faults(monkeypatch))

@@ -57,6 +57,7 @@ def snapshot(tensors: list[Any]) -> list[Any]:
     return [t.detach().clone() for t in tensors]
 
 
+@pytest.mark.slow
 def test_module_and_optimizer_round_trip_keeps_values_and_identities() -> None:
     net, opt = make()
     train_step(net, opt, 1)  # optimizer state exists now

@@ -381,6 +381,7 @@ def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(
     messages=st.lists(st.dictionaries(st.text(max_size=8), json_like, max_size=5), max_size=5),
@@ -402,6 +403,7 @@ garbage = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=500, deadline=None, derandomize=True, database=None)
 @given(
     chunks=st.lists(garbage, min_size=1, max_size=6),
