@@ -29,7 +29,7 @@ T = TypeVar("T")
 
 JOIN_S = 5.0  # how long close() waits for the reader thread
 
-Waiter = tuple[int, "concurrent.futures.Future[Any]"]
+Waiter = tuple[int, "_Answer", float | None]  # id, answer, its first deadline
 
 
 class Client(ShellBase):
@@ -65,7 +65,7 @@ class Client(ShellBase):
 
     def _start_io(self) -> None:
         self._lock = threading.Lock()  # one input at a time into the core; guards _sock, _waiters, _driving
-        self._waiters: dict[int, concurrent.futures.Future[Any]] = {}
+        self._waiters: dict[int, _Answer] = {}
         self._sock: socket.socket | None = None  # the open connection, for sending; the reader owns it
         self._driving = False  # a reader thread runs (it clears this, under the lock, when it ends)
         self._reader: threading.Thread | None = None
@@ -191,27 +191,29 @@ class Client(ShellBase):
         return self._wait(self._submit(lambda now: self._core.request(op, args, now)))
 
     def _submit(self, start: Callable[[float], int]) -> Waiter:
-        """Hand the core a request (connecting first if need be); returns its id and future."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        """Hand the core a request (connecting first if need be); returns its id, answer and first deadline."""
+        future = _Answer()
         with self._lock:
             rid = start(time.monotonic())
             self._waiters[rid] = future
             later = self._flush()
             self._ensure_reader()
-        self._dispatch(later)
-        return rid, future
+            deadline = self._core.deadline_of(rid)
+        if later:
+            self._dispatch(later)
+        return rid, future, deadline
 
     def _wait(self, waiter: Waiter) -> Any:
         """The request's result; the caller keeps the core's deadline for it (the reader may be busy connecting)."""
-        rid, future = waiter
+        rid, future, deadline = waiter
         try:
             while True:
-                with self._lock:
-                    deadline = self._core.deadline_of(rid)
                 try:
                     return future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-                except concurrent.futures.TimeoutError:
+                except TimeoutError:
                     self._step(self._core.handle_timers)
+                with self._lock:
+                    deadline = self._core.deadline_of(rid)
         except errors.TimeslicedError:
             raise  # the request's own answer
         except BaseException:  # KeyboardInterrupt: never leave a ghost waiter
@@ -231,7 +233,7 @@ class Client(ShellBase):
         self._dispatch(later)
         return result
 
-    def _flush(self) -> list[tuple[concurrent.futures.Future[Any] | None, Output]]:
+    def _flush(self) -> list[tuple[_Answer | None, Output]]:
         """Under the lock: send what the core wrote, close what it left; the rest is for ``_dispatch``."""
         data = self._core.data_to_send()
         if data and self._sock is not None:
@@ -239,7 +241,7 @@ class Client(ShellBase):
                 self._sock.sendall(data)
             except OSError:
                 self._shutdown()  # the reader sees the connection end and tells the core
-        later: list[tuple[concurrent.futures.Future[Any] | None, Output]] = []
+        later: list[tuple[_Answer | None, Output]] = []
         for out in self._core.drain():
             if isinstance(out, Disconnect):
                 self._shutdown()
@@ -250,7 +252,7 @@ class Client(ShellBase):
                 later.append((None, out))
         return later
 
-    def _dispatch(self, later: list[tuple[concurrent.futures.Future[Any] | None, Output]]) -> None:
+    def _dispatch(self, later: list[tuple[_Answer | None, Output]]) -> None:
         """Outside the lock: wake the waiters, run the user's callbacks."""
         for future, out in later:
             if isinstance(out, Answered) and future is not None:
@@ -284,7 +286,8 @@ class Client(ShellBase):
     def _read_loop(self) -> None:
         """Open connections, read them and keep the core's timers, while the core wants a connection.
 
-        One pass per event (bytes read, the connection gone, a deadline), with the lock taken once.
+        One pass per event (bytes read, the connection gone, a deadline): what was read goes to the
+        core first, and its answers to their callers, before the books (timers, the connection's state).
         """
         sock: socket.socket | None = None
         conn = 0
@@ -293,11 +296,14 @@ class Client(ShellBase):
         reason = ""
         try:
             while True:
+                if read:  # the answers first: their callers wake while this thread keeps the books
+                    with self._lock:
+                        self._core.receive_data(conn, read, time.monotonic())
+                        later = self._flush()
+                    self._dispatch(later)
                 with self._lock:
                     now = time.monotonic()
-                    if read:
-                        self._core.receive_data(conn, read, now)
-                    elif read is not None:
+                    if read is not None and not read:
                         self._core.connection_lost(conn, now, reason)
                     deadline = self._core.next_deadline()
                     if deadline is not None and now >= deadline:
@@ -447,3 +453,32 @@ def _dial(address: Address, timeout: float) -> socket.socket:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
+
+
+class _Answer:
+    """A request's answer, for the one caller that waits for it (lighter than a ``Future``: on the lock's path)."""
+
+    __slots__ = ("_done", "_error", "_value")
+
+    def __init__(self) -> None:
+        self._done = threading.Lock()
+        self._done.acquire()  # released once the answer is in
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._done.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._done.release()
+
+    def result(self, timeout: float | None) -> Any:
+        """The value, or raises the error; raises ``TimeoutError`` when none came within ``timeout``."""
+        if not self._done.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError
+        self._done.release()  # a second look (after a timeout's race) finds it again
+        if self._error is not None:
+            raise self._error
+        return self._value

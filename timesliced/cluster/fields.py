@@ -276,7 +276,7 @@ class Nested(Field):
         self.what = f"a {cls.__name__} map"
 
     def check(self, value: Any, path: str) -> Wire:
-        if not isinstance(value, self.cls):  # one that exists was checked when it was built
+        if not isinstance(value, self.cls):  # one read from a peer was checked when it was read
             refuse(path, f"a {self.cls.__name__}", value)
         return value
 
@@ -291,9 +291,11 @@ W = TypeVar("W", bound="Wire")
 
 
 class Wire:
-    """A frozen dataclass of ``Annotated`` fields: checked when built, ``to_wire()``, ``from_wire()``.
+    """A frozen dataclass of ``Annotated`` fields, with ``to_wire()`` and ``from_wire()``.
 
-    Unknown keys are ignored; a missing one is refused.
+    Every field is checked where a peer's map is read (``from_wire``): unknown keys are ignored, a
+    missing or wrong one is refused. What this node builds itself is not checked again at run time
+    (its types are mypy's to check): building messages is on the lock's path.
     """
 
     __dataclass_fields__: ClassVar[dict[str, Any]]
@@ -311,11 +313,6 @@ class Wire:
             )
             cls._kinds_cache = cached
         return cached
-
-    def __post_init__(self) -> None:
-        where = type(self).__name__
-        for name, kind in self.kinds():
-            object.__setattr__(self, name, kind.check(getattr(self, name), f"{where}.{name}"))
 
     def to_wire(self) -> dict[str, Any]:
         return {name: kind.dump(getattr(self, name)) for name, kind in self.kinds()}

@@ -14,8 +14,6 @@ what the nodes were told: the leader drops it and takes stock again, then lets t
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from .. import errors
@@ -221,19 +219,16 @@ class Leader:
                 self.problems.append(text)
                 self._effects.append(Noted("problem", text))
 
-    @contextlib.contextmanager
-    def _guard(self, orch: Orchestrator, now: float) -> Iterator[None]:
+    def _guard(self, orch: Orchestrator, now: float) -> _Guard:
         """Around one input to ``orch``: route what it decided, or take stock again if it broke."""
-        try:
-            yield
-        except BaseException:
-            if orch.broken and orch is self.orch:
-                text = f"the leader's state of era {list(orch.era)} broke on a bug: taking stock again"
-                self.problems.append(text)
-                self._effects.append(Noted("problem", text))
-                self.start_sync(now)
-            raise
-        self._route(orch)
+        return _Guard(self, orch, now)
+
+    def _broke(self, orch: Orchestrator, now: float) -> None:
+        if orch.broken and orch is self.orch:
+            text = f"the leader's state of era {list(orch.era)} broke on a bug: taking stock again"
+            self.problems.append(text)
+            self._effects.append(Noted("problem", text))
+            self.start_sync(now)
 
     def _route(self, orch: Orchestrator) -> None:
         for out in orch.drain():
@@ -248,3 +243,21 @@ class Leader:
 
     def _to_node(self, slot: int, message: FromLeader) -> None:
         self._effects.append(Send(self.members[slot], message))
+
+
+class _Guard:
+    """See ``Leader._guard``; a class rather than a generator context manager: it is on the lock's path."""
+
+    __slots__ = ("leader", "now", "orch")
+
+    def __init__(self, leader: Leader, orch: Orchestrator, now: float) -> None:
+        self.leader, self.orch, self.now = leader, orch, now
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:
+            self.leader._broke(self.orch, self.now)
+        else:
+            self.leader._route(self.orch)

@@ -20,9 +20,8 @@ the nodes were told: ``broken`` is set, and the leader drops this orchestrator a
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,17 +246,8 @@ class Orchestrator:
         out, self._out = self._out, []
         return out
 
-    @contextlib.contextmanager
-    def _input(self) -> Iterator[None]:
-        self._changed = False
-        try:
-            yield
-        except BaseException:
-            if self._changed:
-                self.broken = True
-            raise
-        finally:
-            self._changed = False
+    def _input(self) -> _Input:
+        return _Input(self)
 
     # --- requests and notices ---------------------------------------------------------------
 
@@ -462,3 +452,23 @@ def _gpu(slot: int, gpu: int) -> int:
     if gpu >= GPU_STRIDE:
         raise errors.UnknownDevice(f"no GPU {gpu} on any node (a node has at most {GPU_STRIDE})")
     return global_gpu(slot, gpu)
+
+
+class _Input:
+    """Around one input: an orchestrator that raises after its scheduler stepped is ``broken``.
+
+    A class rather than a generator context manager: it is on the lock's path.
+    """
+
+    __slots__ = ("orch",)
+
+    def __init__(self, orch: Orchestrator) -> None:
+        self.orch = orch
+
+    def __enter__(self) -> None:
+        self.orch._changed = False
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None and self.orch._changed:
+            self.orch.broken = True
+        self.orch._changed = False

@@ -151,6 +151,8 @@ class Daemon:
         self._timer_at: float | None = None
         self._stopping = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._seen_groups: list[GroupView] = []  # what the history and telemetry were last told
+        self._seen_held: set[int] | None = None
 
     # --- life cycle ------------------------------------------------------------------
 
@@ -426,15 +428,24 @@ class Daemon:
         self._step(self.cluster.handle_timers, self._now())
 
     def _after_step(self) -> None:
-        """Follow the groups: history spans, and simulated GPUs' duty (busy while a holder has them)."""
+        """Follow the groups: history spans, and simulated GPUs' duty (busy while a holder has them).
+
+        Both are told only what changed (most steps, an acquire that queues, change neither).
+        """
         now = self._now()
         scheduler = self.cluster.scheduler
         if scheduler is not None:
-            groups = scheduler.groups.values()
-            self.history.observe(
-                (GroupView(g.name, g.gpus, g.holder, g.switch.incoming if g.switch else None) for g in groups), now
-            )
-        self.telemetry.record_held(self.cluster.held_gpus(), now)
+            views = [
+                GroupView(g.name, g.gpus, g.holder, g.switch.incoming if g.switch else None)
+                for g in scheduler.groups.values()
+            ]
+            if views != self._seen_groups:
+                self._seen_groups = views
+                self.history.observe(views, now)
+        held = self.cluster.held_gpus()
+        if held != self._seen_held:
+            self._seen_held = held
+            self.telemetry.record_held(held, now)
 
     async def _watch_processes(self) -> None:
         """A job none of whose processes on this node is alive or connected is reported gone."""
