@@ -201,6 +201,12 @@ def req(op: str, args: dict[str, Any], rid: int = 1) -> dict[str, Any]:
     return {"k": "req", "id": rid, "op": op, "args": args, "era": [1, 1]}
 
 
+REGISTER_C = req(
+    "register",
+    {"conn": 2, "rid": 1, "job": "C", "group": "g", "gpus": [0], "pids": [], "exclusive": False, "extra": {}},
+)
+
+
 def test_a_rebuild_that_fails_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     n = elected(reporters=())
     assert n.lead._collect == {"a": n.lead._collect["a"]}  # its own report is in; b's completes a majority
@@ -217,38 +223,8 @@ def test_a_rebuild_that_fails_changes_nothing(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize(
     ("request_", "name"),
     [
-        (
-            req(
-                "register",
-                {
-                    "conn": 2,
-                    "rid": 1,
-                    "job": "C",
-                    "group": "g",
-                    "gpus": [0],
-                    "pids": [],
-                    "exclusive": False,
-                    "extra": {},
-                },
-            ),
-            "global_session",
-        ),
-        (
-            req(
-                "register",
-                {
-                    "conn": 2,
-                    "rid": 1,
-                    "job": "C",
-                    "group": "g",
-                    "gpus": [0],
-                    "pids": [],
-                    "exclusive": False,
-                    "extra": {},
-                },
-            ),
-            "_gpu",
-        ),
+        (REGISTER_C, "global_session"),
+        (REGISTER_C, "_gpu"),
         (req("acquire", {"conn": 1, "rid": 2, "timeout": None}), "global_session"),
         ({"k": "note", "op": "freed", "args": {"job": "B", "gpu": 0, "nbytes": 40}, "era": [1, 1]}, "_gpu"),
     ],

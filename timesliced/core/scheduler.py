@@ -150,16 +150,11 @@ class Scheduler:
         (a move that is not in flight, more memory freed than held). An event that raises, for
         those or for a bug, changes nothing and emits nothing.
         """
-        handler = self._handlers[type(event)]
-        mark = len(self._effects)
-        try:
-            result = handler(event, now)
-            self.arbiter.advance_all(now, self._frozen)
-        except BaseException:
-            self._roll_back(mark)
-            raise
-        self._journal.commit()
-        self.figures.commit()
+        return self._step(self._event, event, now)
+
+    def _event(self, event: Event, now: float) -> Any:
+        result = self._handlers[type(event)](event, now)
+        self.arbiter.advance_all(now, self._frozen)
         return result
 
     def handle_timers(self, now: float) -> None:
