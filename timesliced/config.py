@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .core.scheduler import SlicePolicy
+from .core.slices import SlicePolicy
 from .env import default_sim_dir, default_socket_path, default_state_dir
 
 GiB = 1 << 30

@@ -30,7 +30,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from .core.location import Location
-from .core.scheduler import GroupState
+from .core.model import GroupState
 
 log = logging.getLogger(__name__)
 

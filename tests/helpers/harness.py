@@ -20,7 +20,10 @@ from timesliced.core.arbiter import Arbiter
 from timesliced.core.events import (
     AcquireRequested,
     AcquireWithdrawn,
+    AllocateRegion,
+    Effect,
     Event,
+    GrantLock,
     JobExited,
     JobRegistered,
     MemoryReleased,
@@ -39,8 +42,8 @@ from timesliced.core.location import Location
 from timesliced.core.moves import Moves
 from timesliced.core.queues import LockQueues
 from timesliced.core.registry import Registry
-from timesliced.core.scheduler import Scheduler, SlicePolicy
-from timesliced.core.slices import SlicePolicies
+from timesliced.core.scheduler import Scheduler
+from timesliced.core.slices import SlicePolicies, SlicePolicy
 from timesliced.core.undo import Journal
 
 E = TypeVar("E", bound=Exception)
@@ -243,3 +246,53 @@ class Faults:
     def arm(self, at: int | None) -> None:
         """Raise at the ``at``-th call from now (None: never); counts from zero again."""
         self.calls, self.at, self.where = 0, at, ""
+
+
+# --- what several scheduler tests build and look for ----------------------------------------------
+
+
+def only(effects: list[Effect], kind: type[Any]) -> list[Any]:
+    return [e for e in effects if isinstance(e, kind)]
+
+
+def kinds(effects: list[Effect]) -> list[str]:
+    return [type(e).__name__ for e in effects]
+
+
+def one_grant(effects: list[Effect]) -> GrantLock:
+    grants = only(effects, GrantLock)
+    assert len(grants) == 1, effects
+    grant: GrantLock = grants[0]
+    return grant
+
+
+def holding(h: Harness, job: str, nbytes: int = 0, group: str = "g", gpu: int = 0) -> int:
+    """Register ``job``, get it the lock and ``nbytes`` on ``gpu``; effects drained."""
+    sid = h.register(job, group)
+    h.acquire(sid)
+    assert h.holder(group) == job
+    if nbytes:
+        h.alloc(sid, nbytes, gpu)
+        assert only(h.drain(), AllocateRegion)
+    h.drain()
+    return sid
+
+
+def two_jobs_one_parked(h: Harness, a_bytes: int = 60, b_bytes: int = 60) -> tuple[int, int]:
+    """A holds 'a_bytes', then yields; B takes the lock and allocates, which parks A.
+
+    Ends with B holding the lock and A parked.
+    """
+    a = holding(h, "A", a_bytes)
+    h.release(a)
+    b = h.register("B")
+    h.acquire(b)
+    assert h.holder() == "B"
+    h.drain()
+    h.alloc(b, b_bytes)
+    (snap,) = h.drain()
+    assert snap == SnapshotJob(snap.op, "A")
+    h.finish(snap, nbytes=a_bytes)
+    assert kinds(h.drain()) == ["AllocateRegion"]
+    assert h.location("A") == "parked"
+    return a, b

@@ -1,7 +1,8 @@
 """Builders of status documents (``timesliced.wire.status``) for the tests' fixtures.
 
 Each builder gives a complete part, so a fixture names only what it is about and still holds to
-the schema; ``tests/integration/test_status_schema.py`` checks every fixture and a live daemon's
+the schema; ``tests/unit/test_status_schema.py`` checks every fixture, and the integration test of
+the same name a live daemon's
 status against it.
 """
 

@@ -14,7 +14,7 @@ import pytest
 import timesliced
 from timesliced import errors
 from timesliced.config import DaemonConfig
-from timesliced.core.scheduler import SlicePolicy
+from timesliced.core.slices import SlicePolicy
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.env import default_sim_dir
 

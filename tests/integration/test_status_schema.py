@@ -1,55 +1,20 @@
-"""One schema for the status document: a live daemon's status and every test fixture hold to it.
+"""A live daemon's status holds to the status document's schema, idle, busy and after moves.
 
-So the dashboard and metrics tests, which read hand-written documents, read what a daemon really
-sends; a field added to the daemon and not to the schema (or the other way round) fails here.
+The test fixtures hold to the same schema (tests/unit/test_status_schema.py), so a field added to the
+daemon and not to the schema or the fixtures (or the other way round) fails here or there.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
-
-import pytest
 
 from timesliced.client import Client
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.wire.status import Status, problems
 
-from ..helpers.evolving_source import EvolvingSource
 from ..helpers.processes import wait_for
-from ..helpers.status_docs import dashboard_status, metrics_status
 
 MiB = 1 << 20
-
-
-def test_the_checker_finds_every_kind_of_difference() -> None:
-    doc: Any = dashboard_status()
-    assert problems(doc) == []
-    del doc["node"]
-    doc["extra"] = 1
-    doc["pid"] = "1234"
-    doc["groups"][0]["holder"] = 7
-    doc["groups"][0]["queue"][0]["waited_s"] = True  # a bool is not a number here
-    doc["devices"][0]["jobs"]["rl-math"] = []
-    doc["counters"]["accepted"] = 1.5
-    assert sorted(problems(doc)) == [
-        "status.counters.accepted: expected int, got float",
-        "status.devices[0].jobs['rl-math']: expected an object, got list",
-        "status.groups[0].holder: expected str or null, got int",
-        "status.groups[0].queue[0].waited_s: expected float, got bool",
-        "status.pid: expected int, got str",
-        "status: missing 'node'",
-        "status: unknown key 'extra'",
-    ]
-
-
-@pytest.mark.parametrize(
-    "fixture",
-    [dashboard_status, metrics_status, lambda: EvolvingSource().status(), lambda: EvolvingSource(frozen=True).status()],
-    ids=["dashboard", "metrics", "browser", "browser-frozen"],
-)
-def test_every_fixture_holds_to_the_schema(fixture: Any) -> None:
-    assert problems(fixture()) == []
 
 
 def live(daemon: EmbeddedDaemon) -> Status:

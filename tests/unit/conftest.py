@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from timesliced.core.scheduler import SlicePolicy
+from timesliced.core.slices import SlicePolicy
 
 from ..helpers.harness import Harness
 

@@ -7,15 +7,17 @@ tests/integration/test_process_authz.py; the daemon end to end in tests/integrat
 from __future__ import annotations
 
 import argparse
+import secrets
 from pathlib import Path
 
 import pytest
 
 from timesliced import errors
 from timesliced.cli import build_parser, config_from_args
-from timesliced.client.protocol import auth_args
+from timesliced.client.codec import auth_args
+from timesliced.client.protocol import find_token
 from timesliced.env import PEER_TOKEN_ENV, TOKEN_ENV, TOKEN_FILE_ENV, read_token
-from timesliced.wire.proof import Purpose, new_challenge, proof_matches, prove
+from timesliced.wire.proof import CHALLENGE_BYTES, Purpose, proof_matches, prove
 
 TOKEN = "a-token-of-the-deployment-0f3c9e"
 
@@ -35,22 +37,24 @@ def client_proof(token: str, challenge: str) -> str:
 
 
 def test_a_proof_answers_one_challenge_with_one_token() -> None:
-    challenge = new_challenge()
+    challenge = secrets.token_bytes(CHALLENGE_BYTES)
     assert len(challenge) == 32
-    assert new_challenge() != challenge  # fresh per connection
+    assert secrets.token_bytes(CHALLENGE_BYTES) != challenge  # fresh per connection
     proof = prove(TOKEN, Purpose.CLIENT, challenge)
     assert proof == prove(TOKEN, Purpose.CLIENT, challenge) and len(proof) == 32
     assert TOKEN.encode() not in proof
     assert proof_matches(TOKEN, Purpose.CLIENT, challenge, proof)
     assert proof_matches(TOKEN, Purpose.CLIENT, challenge, proof.hex())  # as a client sends it
-    assert not proof_matches(TOKEN, Purpose.CLIENT, new_challenge(), proof)  # good for its challenge only
+    assert not proof_matches(
+        TOKEN, Purpose.CLIENT, secrets.token_bytes(CHALLENGE_BYTES), proof
+    )  # good for its challenge only
     assert not proof_matches(TOKEN + "x", Purpose.CLIENT, challenge, proof)
     for wrong in (proof.hex().upper() + "0", proof[:-1], "", "é" * 64, "not hex", None, 7, [proof]):
         assert not proof_matches(TOKEN, Purpose.CLIENT, challenge, wrong), wrong
 
 
 def test_a_proof_is_good_for_its_purpose_and_its_ends_only() -> None:
-    challenge = new_challenge()
+    challenge = secrets.token_bytes(CHALLENGE_BYTES)
     hello = prove(TOKEN, Purpose.PEER_HELLO, challenge, "a", "b")
     for purpose in (Purpose.CLIENT, Purpose.PEER_WELCOME):
         assert not proof_matches(TOKEN, purpose, challenge, hello, "a", "b")
@@ -61,30 +65,35 @@ def test_a_proof_is_good_for_its_purpose_and_its_ends_only() -> None:
     )
 
 
-def test_auth_args_answer_only_a_challenge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    challenge = new_challenge().hex()  # as the daemon's hello carries it
-    assert auth_args({"version": 1, "session": 3}, None) is None  # a Unix socket: no challenge, no token needed
+def test_auth_args_answer_only_a_challenge() -> None:
+    challenge = secrets.token_hex(CHALLENGE_BYTES)  # as the daemon's hello carries it
+    missing = errors.PermissionDenied("no token")
+    assert auth_args({"version": 1, "session": 3}, missing) is None  # a Unix socket: no challenge, no token needed
     assert auth_args({"challenge": challenge}, TOKEN) == {"proof": client_proof(TOKEN, challenge)}
-    with pytest.raises(errors.PermissionDenied, match=r"pass token= or set \$TIMESLICED_TOKEN"):
-        auth_args({"challenge": challenge}, None)
+    with pytest.raises(errors.PermissionDenied, match="no token"):
+        auth_args({"challenge": challenge}, missing)
     with pytest.raises(errors.ProtocolError, match="malformed challenge"):
         auth_args({"challenge": "zz"}, TOKEN)
+
+
+def test_the_token_is_found_explicitly_or_in_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``find_token`` never raises: what stands in the way is the error a challenge then raises."""
+    found = find_token(None)
+    assert isinstance(found, errors.PermissionDenied) and "pass token= or set $TIMESLICED_TOKEN" in found.message
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    assert auth_args({"challenge": challenge}, None) == {"proof": client_proof(TOKEN, challenge)}
-    assert auth_args({"challenge": challenge}, "x" * 20) == {
-        "proof": client_proof("x" * 20, challenge)
-    }  # explicit wins
+    assert find_token(None) == TOKEN
+    assert find_token("x" * 20) == "x" * 20  # explicit wins
     monkeypatch.setenv(TOKEN_ENV, "short")
-    with pytest.raises(errors.PermissionDenied, match="at least 16 characters") as info:
-        auth_args({"challenge": challenge}, None)
-    assert "short" not in info.value.message.replace("$TIMESLICED_TOKEN", "")
+    found = find_token(None)
+    assert isinstance(found, errors.PermissionDenied) and "at least 16 characters" in found.message
+    assert "short" not in found.message.replace("$TIMESLICED_TOKEN", "")
     monkeypatch.delenv(TOKEN_ENV)
     (tmp_path / "token").write_text(TOKEN + "\n")
     monkeypatch.setenv(TOKEN_FILE_ENV, str(tmp_path / "token"))
-    assert auth_args({"challenge": challenge}, None) == {"proof": client_proof(TOKEN, challenge)}
+    assert find_token(None) == TOKEN
     monkeypatch.setenv(TOKEN_FILE_ENV, str(tmp_path / "missing"))
-    with pytest.raises(errors.PermissionDenied, match="cannot read the token file"):
-        auth_args({"challenge": challenge}, None)
+    found = find_token(None)
+    assert isinstance(found, errors.PermissionDenied) and "cannot read the token file" in found.message
 
 
 def test_read_token_sources_and_older_spellings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,8 +32,6 @@ from timesliced.client.session import (
 from timesliced.wire.codec import FrameDecoder, encode
 from timesliced.wire.messages import Push, Reply
 
-from .test_layers import FORBIDDEN_IN_PURE, imports, is_pure
-
 E = TypeVar("E", bound=BaseException)
 SOCKET = "/run/timesliced/ts.sock"
 REGISTER = {"job": "j", "group": "g", "gpus": None, "pids": [1]}
@@ -176,14 +174,6 @@ def h() -> Harness:
 # --- the core is pure, and its table is whole -----------------------------------------------------
 
 
-def test_the_core_imports_nothing_that_does_io() -> None:
-    for module in ("client.session", "client.codec"):
-        for edge in imports(module):
-            assert edge.target not in FORBIDDEN_IN_PURE, edge
-            if edge.inside:
-                assert is_pure(edge.target) or edge.target in ("client.session", "client.codec"), edge
-
-
 def test_every_state_has_a_row_and_every_row_closes() -> None:
     assert set(TRANSITIONS) == set(State)
     for state, row in TRANSITIONS.items():
@@ -275,6 +265,17 @@ def test_nothing_there_fails_a_first_connection_at_once(h: Harness) -> None:
     assert isinstance(error, errors.ConnectionLost)
     assert error.message == f"cannot reach the timesliced daemon at {SOCKET}: [Errno 111] Connection refused"
     assert h.core.state is State.IDLE
+
+
+def test_a_window_that_reached_a_daemon_does_not_make_the_next_one_wait_for_nothing(h: Harness) -> None:
+    """What an earlier connection reached (it got through, then was given up) counts only in its own window."""
+    rid = h.do(h.core.wait_ready)
+    h.made()  # connected, the hello unanswered
+    h.do(lambda now: h.core.abandon(rid, now))
+    assert h.core.state is State.IDLE
+    rid = h.do(h.core.wait_ready)
+    h.refused_attempt(Unreachable.ABSENT)  # now nothing is there at all
+    assert isinstance(h.failed(rid), errors.ConnectionLost) and h.core.state is State.IDLE
 
 
 def test_a_stale_socket_is_tried_with_backoff_until_the_window_ends_and_then_named() -> None:

@@ -399,3 +399,20 @@ def test_a_restarted_node_keeps_the_holders_turn_first_then_the_queue_order() ->
     new.handle_timers(40.0)
     (grant,) = [e for e in new.drain() if isinstance(e, Reply) and e.rid == 2]
     assert grant.conn == 7 and grant.result["job"] == "B"
+
+
+@pytest.mark.parametrize(
+    "picture",
+    [
+        {},
+        {"jobs": [{"job": "a"}], "turns": {}, "fences": {}},
+        {"jobs": [], "fences": {}},
+        {"jobs": [], "turns": {}, "fences": {"g": 3}},
+        {"jobs": "no", "turns": {}, "fences": {}},
+    ],
+)
+def test_a_journal_picture_of_another_shape_is_refused_and_nothing_is_taken_up(picture: dict[str, Any]) -> None:
+    n = node()
+    with pytest.raises(ValueError, match="not a picture of this release's journal"):
+        n.restore(picture, NOW, 30.0)
+    assert n.jobs == {} and n.turns == {} and n.fences == {}

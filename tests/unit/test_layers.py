@@ -61,6 +61,7 @@ FORBIDDEN_IN_PURE = {
     "multiprocessing",
     "concurrent",
     "aiohttp",
+    "secrets",  # entropy is the shell's to draw (a pure core takes a random.Random it is given)
 }
 # What ``import timesliced`` may load: the client and the wire, and the foundation they stand on.
 ROOT_LOADS = ("", "client", "wire", "errors", "version", "env", "util.parse")
@@ -199,6 +200,19 @@ def test_pure_cores_do_no_io_and_import_only_pure_modules() -> None:
             wrong.append(f"{shown(e)} (a pure core does no I/O, keeps no clock and starts no thread)")
         elif e.inside and e.target and not is_pure(e.target):
             wrong.append(f"{shown(e)} (not a pure module)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_pure_cores_draw_no_random_numbers_of_their_own() -> None:
+    """``random`` may name the type of an ``rng`` a core is given; its module-level functions are global state."""
+    wrong = []
+    for module, path in MODULES.items():
+        if not is_pure(module):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "random"
+            if named and node.attr != "Random":  # type: ignore[attr-defined]
+                wrong.append(f"timesliced/{path.relative_to(ROOT)}:{node.lineno}: random.{node.attr}")
     assert not wrong, "\n".join(wrong)
 
 

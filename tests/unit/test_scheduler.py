@@ -18,7 +18,6 @@ from timesliced.core.events import (
     AcquireWithdrawn,
     AllocateRegion,
     DrainRequested,
-    Effect,
     FailRequest,
     ForceReleaseRequested,
     GrantLock,
@@ -37,55 +36,7 @@ from timesliced.core.events import (
 )
 from timesliced.core.scheduler import Scheduler
 
-from ..helpers.harness import Harness
-
-
-def only(effects: list[Effect], kind: type[Any]) -> list[Any]:
-    return [e for e in effects if isinstance(e, kind)]
-
-
-def kinds(effects: list[Effect]) -> list[str]:
-    return [type(e).__name__ for e in effects]
-
-
-def one_grant(effects: list[Effect]) -> GrantLock:
-    grants = only(effects, GrantLock)
-    assert len(grants) == 1, effects
-    grant: GrantLock = grants[0]
-    return grant
-
-
-def holding(h: Harness, job: str, nbytes: int = 0, group: str = "g", gpu: int = 0) -> int:
-    """Register ``job``, get it the lock and ``nbytes`` on ``gpu``; effects drained."""
-    sid = h.register(job, group)
-    h.acquire(sid)
-    assert h.holder(group) == job
-    if nbytes:
-        h.alloc(sid, nbytes, gpu)
-        assert only(h.drain(), AllocateRegion)
-    h.drain()
-    return sid
-
-
-def two_jobs_one_parked(h: Harness, a_bytes: int = 60, b_bytes: int = 60) -> tuple[int, int]:
-    """A holds 'a_bytes', then yields; B takes the lock and allocates, which parks A.
-
-    Ends with B holding the lock and A parked.
-    """
-    a = holding(h, "A", a_bytes)
-    h.release(a)
-    b = h.register("B")
-    h.acquire(b)
-    assert h.holder() == "B"
-    h.drain()
-    h.alloc(b, b_bytes)
-    (snap,) = h.drain()
-    assert snap == SnapshotJob(snap.op, "A")
-    h.finish(snap, nbytes=a_bytes)
-    assert kinds(h.drain()) == ["AllocateRegion"]
-    assert h.location("A") == "parked"
-    return a, b
-
+from ..helpers.harness import Harness, holding, kinds, one_grant, only, two_jobs_one_parked
 
 # --- registration ------------------------------------------------------------------------
 

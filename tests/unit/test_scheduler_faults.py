@@ -26,11 +26,10 @@ from timesliced.core.events import (
     SessionClosed,
     SnapshotJob,
 )
-from timesliced.core.scheduler import SlicePolicy
+from timesliced.core.slices import SlicePolicy
 from timesliced.core.undo import Fields, Journal
 
-from ..helpers.harness import Fault, Faults, Harness
-from .test_scheduler import holding, only, two_jobs_one_parked
+from ..helpers.harness import Fault, Faults, Harness, holding, only, two_jobs_one_parked
 
 Step = Callable[[Harness], Any]
 

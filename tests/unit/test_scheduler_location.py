@@ -17,8 +17,7 @@ import pytest
 from timesliced.core.events import JobRegistered, SnapshotJob
 from timesliced.core.location import TRANSITIONS, Cause, IllegalTransition, Location, moved
 
-from ..helpers.harness import Harness
-from .test_scheduler import holding, only
+from ..helpers.harness import Harness, holding, only
 
 PAIRS = list(itertools.product(Location, Cause))
 ILLEGAL = [(loc, cause) for loc, cause in PAIRS if (loc, cause) not in TRANSITIONS]

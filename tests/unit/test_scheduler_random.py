@@ -59,7 +59,9 @@ from timesliced.core.events import (
     Ticket,
 )
 from timesliced.core.location import Location
-from timesliced.core.scheduler import AUTO, Scheduler, SlicePolicy
+from timesliced.core.model import AUTO
+from timesliced.core.scheduler import Scheduler
+from timesliced.core.slices import SlicePolicy
 
 from ..helpers.harness import Fault, Faults, core_state
 

@@ -7,10 +7,10 @@ from collections.abc import Callable
 import pytest
 
 from timesliced.core.events import GrantLock, NotifyJob, RestoreJob, SnapshotJob
-from timesliced.core.scheduler import AUTO, SlicePolicy
+from timesliced.core.model import AUTO
+from timesliced.core.slices import SlicePolicy
 
-from ..helpers.harness import Harness
-from .test_scheduler import holding, kinds, one_grant, only
+from ..helpers.harness import Harness, holding, kinds, one_grant, only
 
 
 def waiting(h: Harness, job: str, group: str = "g") -> int:
@@ -164,7 +164,7 @@ def test_kept_turn_of_a_job_that_exits_goes_with_it(h: Harness) -> None:
 def test_one_job_may_have_only_so_many_acquires_waiting(h: Harness) -> None:
     from timesliced import errors
     from timesliced.core.events import AcquireRequested
-    from timesliced.core.scheduler import MAX_REQUESTS_PER_JOB
+    from timesliced.core.model import MAX_REQUESTS_PER_JOB
 
     holding(h, "A")
     b = h.register("B")

@@ -6,7 +6,7 @@ import pytest
 
 from timesliced.cli import build_parser, config_from_args
 from timesliced.config import DaemonConfig, parse_crash_points
-from timesliced.core.scheduler import SlicePolicy
+from timesliced.core.slices import SlicePolicy
 
 
 def config(*argv: str) -> DaemonConfig:

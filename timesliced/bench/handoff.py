@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..client.protocol import Grant
+from ..client.codec import Grant
 from ..util.stats import percentile
 from .common import DaemonProcess
 

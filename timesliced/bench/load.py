@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .. import errors
-from ..client.protocol import Grant
+from ..client.codec import Grant
 from ..client.sync import Client, daemon_status
 from ..config import DaemonConfig
 from ..util.stats import percentile

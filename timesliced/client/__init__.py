@@ -1,7 +1,7 @@
 """The client library: ``Client`` (blocking, thread-safe) and ``AsyncClient``."""
 
 from .aio import AsyncClient
-from .protocol import Grant
+from .codec import Grant
 from .sync import Client
 
 __all__ = ["AsyncClient", "Client", "Grant"]

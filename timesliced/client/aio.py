@@ -298,6 +298,7 @@ class AsyncClient(ShellBase):
 
     async def _attempt(self) -> tuple[asyncio.StreamReader | None, asyncio.StreamWriter | None, int]:
         loop = asyncio.get_running_loop()
+        self._refresh_token()
         limit = self._core.start_attempt(loop.time())
         try:
             async with _timeout(limit):

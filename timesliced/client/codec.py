@@ -12,6 +12,7 @@ from typing import Any
 from .. import errors
 from ..wire.codec import DEFAULT_MAX_FRAME, FrameDecoder, encode
 from ..wire.messages import Push, Reply, Request, parse_incoming
+from ..wire.proof import Purpose, prove
 
 
 @dataclass(frozen=True)
@@ -124,3 +125,21 @@ def result_of(reply: Reply) -> Any:
         return reply.result
     assert reply.error is not None
     raise reply.error
+
+
+def auth_args(hello: Any, token: str | errors.PermissionDenied) -> dict[str, Any] | None:
+    """The args of the ``auth`` request that answers the daemon's ``hello`` reply; None if it set no challenge.
+
+    Over TCP the daemon challenges every connection; the proof is made with ``token`` (see
+    ``protocol.find_token``). Raises the ``PermissionDenied`` given in its place when there is no
+    token, before anything is sent, and ``ProtocolError`` for a malformed challenge.
+    """
+    challenge = hello.get("challenge") if isinstance(hello, dict) else None
+    if challenge is None:
+        return None
+    if isinstance(token, errors.PermissionDenied):
+        raise token
+    try:
+        return {"proof": prove(token, Purpose.CLIENT, bytes.fromhex(str(challenge))).hex()}
+    except ValueError:
+        raise errors.ProtocolError("the daemon sent a malformed challenge") from None

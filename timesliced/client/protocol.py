@@ -1,8 +1,7 @@
 """What both client shells take from the process and its environment: the address, the hello, the token.
 
-The pure parts live in ``codec.py`` (requests, frames, grants) and
-``session.py`` (the connection's state machine, ``LockState``); their names
-are re-exported here, where they lived before.
+The pure parts live in ``codec.py`` (requests, frames, grants, the token proof's args) and
+``session.py`` (the connection's state machine, ``LockState``).
 """
 
 from __future__ import annotations
@@ -18,24 +17,7 @@ from ..env import TOKEN_ENV, default_socket_path, read_token
 from ..util.parse import parse_host_port
 from ..wire.messages import PROTOCOL_VERSION
 from ..wire.park import METHODS, ParkSpec
-from ..wire.proof import Purpose, prove
-from .codec import ClientProtocol, Grant, acquire_args, lease_of, result_of
-from .session import LockState, Unreachable
-
-__all__ = [
-    "Address",
-    "ClientProtocol",
-    "Grant",
-    "LockState",
-    "acquire_args",
-    "auth_args",
-    "dial_failure",
-    "hello_args",
-    "lease_of",
-    "register_args",
-    "resolve_address",
-    "result_of",
-]
+from .session import Unreachable
 
 
 @dataclass(frozen=True)
@@ -67,28 +49,23 @@ def hello_args() -> dict[str, Any]:
     return {"version": PROTOCOL_VERSION, "role": "client", "pid": os.getpid(), "program": Path(sys.argv[0]).name}
 
 
-def auth_args(hello: Any, token: str | None) -> dict[str, Any] | None:
-    """The args of the ``auth`` request that answers the daemon's ``hello`` reply; None if it set no challenge.
+def find_token(explicit: str | None) -> str | errors.PermissionDenied:
+    """The token a TCP client proves: ``explicit``, else ``$TIMESLICED_TOKEN_FILE`` / ``$TIMESLICED_TOKEN``.
 
-    Over TCP the daemon challenges every connection; the proof is made with
-    ``token``, else the token of ``$TIMESLICED_TOKEN_FILE`` / ``$TIMESLICED_TOKEN``
-    (read only when asked for). Raises ``PermissionDenied`` when there is none,
-    before anything is sent, and ``ProtocolError`` for a malformed challenge.
+    Never raises: what stands in the way is returned as the ``PermissionDenied`` to raise if a
+    daemon does ask for the token (over a Unix socket none does, and none is needed).
     """
-    challenge = hello.get("challenge") if isinstance(hello, dict) else None
-    if challenge is None:
-        return None
-    if token is None:
-        try:
-            token = read_token()
-        except ValueError as exc:
-            raise errors.PermissionDenied(f"the daemon asks for the shared token: {exc}") from None
-    if not token:
-        raise errors.PermissionDenied(f"the daemon asks for the shared token over TCP: pass token= or set ${TOKEN_ENV}")
+    if explicit is not None:
+        return explicit
     try:
-        return {"proof": prove(token, Purpose.CLIENT, bytes.fromhex(str(challenge))).hex()}
-    except ValueError:
-        raise errors.ProtocolError("the daemon sent a malformed challenge") from None
+        token = read_token()
+    except ValueError as exc:
+        return errors.PermissionDenied(f"the daemon asks for the shared token: {exc}")
+    if not token:
+        return errors.PermissionDenied(
+            f"the daemon asks for the shared token over TCP: pass token= or set ${TOKEN_ENV}"
+        )
+    return token
 
 
 def register_args(

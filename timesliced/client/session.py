@@ -545,7 +545,7 @@ class ClientSession:
         if self._state in (S.IDLE, S.CLOSED):  # connect on first use: the window opens now
             self._move(S.WAITING)
             self._window_end, self._attempt_at, self._delay = now + self.reconnect, now, FIRST_DELAY_S
-            self._failure = ""
+            self._failure, self._reached = "", False  # a new window: what the last one reached counts no more
         rid = self._proto.next_id()
         if self._state is S.READY and not pending.op:
             self._emit(Answered(rid, None))

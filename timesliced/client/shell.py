@@ -11,16 +11,22 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .. import errors
 from ..wire.park import ParkSpec
+from .codec import auth_args
 from .directives import OffloadExecutor
-from .protocol import auth_args, hello_args, register_args, resolve_address
+from .protocol import find_token, hello_args, register_args, resolve_address
 from .session import ClientSession, LockState, Logged, Pushed
 
 log = logging.getLogger("timesliced.client")
 
+_NOT_YET = errors.PermissionDenied("the token is read before the client connects over TCP")
+
 
 class ShellBase:
     """The constructor and the read-only view of a client; see ``Client`` for the arguments."""
+
+    _refresh_token: Callable[[], None]  # reads the token (TCP) before a connection: I/O the core does not do
 
     def __init__(
         self,
@@ -48,8 +54,18 @@ class ShellBase:
         self.on_push = on_push
         self.parked_access = parked_access
 
-        def prove(hello: Any) -> dict[str, Any] | None:  # a closure: the token shows in no repr
-            return auth_args(hello, token)
+        # The token (or why there is none) as last found; read by the shell before each connection,
+        # so the core proves it without reading the environment. A closure: it shows in no repr.
+        found: list[str | errors.PermissionDenied] = [find_token(token) if token is not None else _NOT_YET]
+
+        def prove(hello: Any) -> dict[str, Any] | None:
+            return auth_args(hello, found[0])
+
+        def refresh() -> None:
+            if self.address.kind == "tcp":  # only a TCP daemon asks for it
+                found[0] = find_token(token)
+
+        self._refresh_token = refresh
 
         self._core = ClientSession(
             job,
@@ -123,11 +139,6 @@ class ShellBase:
     @request_timeout.setter
     def request_timeout(self, value: float) -> None:
         self._core.request_timeout = value
-
-    @property
-    def _register(self) -> dict[str, Any]:
-        """The args of the job's registration, read at every registration."""
-        return self._core.register
 
     # --- the core's outputs that both shells carry out alike ------------------------------------
 

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 from .. import errors
 from ..wire.messages import Reply
-from .codec import ClientProtocol, Grant, result_of
+from .codec import ClientProtocol, Grant, auth_args, result_of
 from .directives import directive_worker, run_directive
-from .protocol import Address, auth_args, dial_failure, hello_args, resolve_address
+from .protocol import Address, dial_failure, find_token, hello_args, resolve_address
 from .session import Answered, Disconnect, Failed, Logged, Output, Pushed, State
 from .shell import ShellBase
 
@@ -351,8 +351,13 @@ class Client(ShellBase):
                 sock.close()
 
     def _attempt(self) -> tuple[socket.socket | None, int]:
+        self._refresh_token()  # reads the environment: before the lock
         with self._lock:
-            limit = self._core.start_attempt(time.monotonic())
+            now = time.monotonic()
+            due = self._core.attempt_at
+            if due is None or due > now:  # closed, given up or re-armed since the reader looked: it looks again
+                return None, 0
+            limit = self._core.start_attempt(now)
         try:
             sock = _dial(self.address, limit)
         except OSError as exc:
@@ -409,7 +414,7 @@ def daemon_status(
                 reply = next((m for m in proto.receive(data) if isinstance(m, Reply) and m.id == rid), None)
             return result_of(reply)
 
-        if (auth := auth_args(ask("hello", hello_args()), token)) is not None:
+        if (auth := auth_args(ask("hello", hello_args()), find_token(token))) is not None:
             ask("auth", auth)
         status: dict[str, Any] = ask("status", {})
     return status

@@ -1,11 +1,11 @@
 """Typed fields of the peer messages: how each is checked, written to the wire and read back (pure).
 
 A peer message is a frozen dataclass whose fields each name their ``Field`` in their annotation
-(``conn: Annotated[int, CONN]``). The field checks a value when the message is built (so no
-message of a wrong shape exists, even one this node builds), writes it as plain msgpack values
-(``to_wire``), and reads it back from what a peer sent (``from_wire``), refusing anything else
-with ``MalformedPeerMessage`` before any state is touched. The error names the field by its path
-(``report.report.jobs[2].footprint['0']``).
+(``conn: Annotated[int, CONN]``). The field writes a value as plain msgpack values (``to_wire``) and
+reads it back from what a peer sent (``from_wire``), refusing anything else with
+``MalformedPeerMessage`` before any state is touched; the error names the field by its path
+(``report.report.jobs[2].footprint['0']``). What this node builds is typed for mypy and not checked
+again at run time: every message on the lock's path is built here.
 """
 
 from __future__ import annotations
@@ -35,17 +35,13 @@ def refuse(path: str, what: str, value: Any) -> NoReturn:
 
 
 class Field:
-    """One field's type and range. ``check`` takes a Python value, ``load`` a wire value; both raise."""
+    """One field's type and range: ``load`` reads a wire value (and refuses a wrong one), ``dump`` writes one."""
 
     what = "a value"
 
-    def check(self, value: Any, path: str) -> Any:
-        """The value as stored (normalised, e.g. an int as a float); raises ``MalformedPeerMessage``."""
-        raise NotImplementedError
-
     def load(self, value: Any, path: str) -> Any:
-        """The Python value for a wire value; raises ``MalformedPeerMessage``."""
-        return self.check(value, path)
+        """The Python value for a wire value (normalised, e.g. an int as a float); raises ``MalformedPeerMessage``."""
+        raise NotImplementedError
 
     def dump(self, value: Any) -> Any:
         """The wire value (plain msgpack data)."""
@@ -57,7 +53,7 @@ class Int(Field):
         self.lo, self.hi = lo, hi
         self.what = f"an integer in [{lo}, {hi}]"
 
-    def check(self, value: Any, path: str) -> int:
+    def load(self, value: Any, path: str) -> int:
         # bool is an int subclass: ``True`` must not pass for 1
         if type(value) is not int or not self.lo <= value <= self.hi:
             refuse(path, self.what, value)
@@ -71,7 +67,7 @@ class Float(Field):
         self.lo = -math.inf if any_sign else 0.0
         self.what = "a finite number" if any_sign else "a finite number >= 0"
 
-    def check(self, value: Any, path: str) -> float:
+    def load(self, value: Any, path: str) -> float:
         if type(value) is float:
             number = value
         elif type(value) is int and -MAX_INT <= value <= MAX_INT:
@@ -86,7 +82,7 @@ class Float(Field):
 class Flag(Field):
     what = "true or false"
 
-    def check(self, value: Any, path: str) -> bool:
+    def load(self, value: Any, path: str) -> bool:
         if not isinstance(value, bool):
             refuse(path, self.what, value)
         return value
@@ -99,7 +95,7 @@ class Text(Field):
         self.name = name
         self.what = f"a string of 1 to {MAX_NAME} characters" if name else "a string"
 
-    def check(self, value: Any, path: str) -> str:
+    def load(self, value: Any, path: str) -> str:
         if not isinstance(value, str) or (self.name and not 0 < len(value) <= MAX_NAME):
             refuse(path, self.what, value)
         return value
@@ -110,7 +106,7 @@ class Choice(Field):
         self.values = values
         self.what = f"one of {list(values)}"
 
-    def check(self, value: Any, path: str) -> str:
+    def load(self, value: Any, path: str) -> str:
         if value not in self.values or not isinstance(value, str):
             refuse(path, self.what, value)
         return value
@@ -122,11 +118,6 @@ class Enum(Field):
     def __init__(self, cls: type[enum.Enum]) -> None:
         self.cls = cls
         self.what = f"one of {[m.value for m in cls]}"
-
-    def check(self, value: Any, path: str) -> enum.Enum:
-        if not isinstance(value, self.cls):
-            refuse(path, f"a {self.cls.__name__}", value)
-        return value
 
     def load(self, value: Any, path: str) -> enum.Enum:
         for member in self.cls:
@@ -143,9 +134,6 @@ class Optional(Field):
         self.inner = inner
         self.what = f"{inner.what} or null"
 
-    def check(self, value: Any, path: str) -> Any:
-        return None if value is None else self.inner.check(value, path)
-
     def load(self, value: Any, path: str) -> Any:
         return None if value is None else self.inner.load(value, path)
 
@@ -159,11 +147,6 @@ class Seq(Field):
     def __init__(self, inner: Field) -> None:
         self.inner = inner
         self.what = f"a list of {inner.what}"
-
-    def check(self, value: Any, path: str) -> tuple[Any, ...]:
-        if not isinstance(value, tuple):
-            refuse(path, "a tuple", value)
-        return tuple(self.inner.check(v, f"{path}[{i}]") for i, v in enumerate(value))
 
     def load(self, value: Any, path: str) -> tuple[Any, ...]:
         if not isinstance(value, list):
@@ -180,11 +163,6 @@ class Pair(Field):
     def __init__(self, first: Field, second: Field) -> None:
         self.first, self.second = first, second
         self.what = f"a list of two: {first.what}, {second.what}"
-
-    def check(self, value: Any, path: str) -> tuple[Any, Any]:
-        if not isinstance(value, tuple) or len(value) != 2:
-            refuse(path, "a pair", value)
-        return self.first.check(value[0], f"{path}[0]"), self.second.check(value[1], f"{path}[1]")
 
     def load(self, value: Any, path: str) -> tuple[Any, Any]:
         if not isinstance(value, list) or len(value) != 2:
@@ -203,11 +181,6 @@ class Map(Field):
         self.key, self.value = key, value
         self.what = f"a map of {key.what} to {value.what}"
 
-    def check(self, value: Any, path: str) -> dict[Any, Any]:
-        if not isinstance(value, dict):
-            refuse(path, "a dict", value)
-        return {self.key.check(k, f"{path} key"): self.value.check(v, f"{path}[{k!r}]") for k, v in value.items()}
-
     def load(self, value: Any, path: str) -> dict[Any, Any]:
         if not isinstance(value, dict):
             refuse(path, self.what, value)
@@ -216,9 +189,9 @@ class Map(Field):
             if isinstance(self.key, Int):
                 if not (isinstance(k, str) and k.isdecimal() and k.isascii() and len(k) <= 19):
                     refuse(f"{path} key", f"{self.key.what}, in decimal", k)
-                key: Any = self.key.check(int(k), f"{path} key")
+                key: Any = self.key.load(int(k), f"{path} key")
             else:
-                key = self.key.check(k, f"{path} key")
+                key = self.key.load(k, f"{path} key")
             out[key] = self.value.load(v, f"{path}[{k!r}]")
         return out
 
@@ -235,7 +208,7 @@ class Plain(Field):
         self.map_only = map_only
         self.what = "a map of plain data" if map_only else "plain data"
 
-    def check(self, value: Any, path: str) -> Any:
+    def load(self, value: Any, path: str) -> Any:
         if self.map_only and not isinstance(value, dict):
             refuse(path, self.what, value)
         for where, item in _walk(value, path, PLAIN_DEPTH):
@@ -274,11 +247,6 @@ class Nested(Field):
     def __init__(self, cls: type[Wire]) -> None:
         self.cls = cls
         self.what = f"a {cls.__name__} map"
-
-    def check(self, value: Any, path: str) -> Wire:
-        if not isinstance(value, self.cls):  # one read from a peer was checked when it was read
-            refuse(path, f"a {self.cls.__name__}", value)
-        return value
 
     def load(self, value: Any, path: str) -> Wire:
         return self.cls.from_wire(value, path)

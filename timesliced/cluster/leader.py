@@ -19,7 +19,8 @@ from typing import Any
 from .. import errors
 from ..core.election import Election
 from ..core.events import DrainRequested, ForceReleaseRequested
-from ..core.scheduler import Scheduler, SlicePolicy
+from ..core.scheduler import Scheduler
+from ..core.slices import SlicePolicy
 from .asks import Notice, Request, WireError
 from .effects import Noted, RecordGrant, Send
 from .messages import Era, FromLeader, FromNode, Note, Ready, Report, Req, Res, Resync, Sync
@@ -203,11 +204,7 @@ class Leader:
             except errors.TimeslicedError as exc:
                 answer = Res(orch.era, message.id, op, error=WireError.of(exc))
             else:
-                try:
-                    answer = Res(orch.era, message.id, op, result=result)
-                except Exception:
-                    orch.broken = True  # it changed, and the node will never hear how
-                    raise
+                answer = Res(orch.era, message.id, op, result=result)
         self._to_node(slot, answer)
 
     def _noticed(self, orch: Orchestrator, slot: int, notice: Notice, now: float) -> None:
@@ -257,7 +254,7 @@ class _Guard:
         pass
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        if kind is not None:
+        if kind is not None or self.orch.broken:  # an error caught inside the guard may have broken it
             self.leader._broke(self.orch, self.now)
         else:
             self.leader._route(self.orch)

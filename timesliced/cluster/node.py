@@ -42,7 +42,9 @@ from ..core.election import Send as ElectionSend
 from ..core.events import DrainRequested, ForceReleaseRequested
 from ..core.ids import gpu_slot, local_gpu
 from ..core.location import Cause, Location, moved
-from ..core.scheduler import AUTO, Scheduler, SlicePolicy
+from ..core.model import AUTO
+from ..core.scheduler import Scheduler
+from ..core.slices import SlicePolicy
 from ..wire import status
 from .asks import LATER, Acquire, Closed, Freed, Gone, MoveDone, Notice, Register, Registered, Release, Request
 from .effects import Allocate, Effect, Fail, Noted, Push, Reply, RunMove, Send
@@ -222,6 +224,37 @@ class ClusterNode:
         times = [t for t in (self.election.next_deadline(), self.lead.next_deadline()) if t is not None]
         deadline = min(times, default=float("inf"))
         return None if deadline == float("inf") else deadline
+
+    def describe_local(self) -> status.LocalPicture:
+        """This node's own GPUs and jobs, as it knows them (a follower's status)."""
+        jobs = self.jobs.values()
+        return {
+            "devices": [
+                {
+                    "index": gpu,
+                    "capacity": cap,
+                    "used": sum(j.footprint.get(gpu, 0) for j in jobs if j.location.occupies_device),
+                    "jobs": {
+                        j.name: {"bytes": j.footprint[gpu], "location": j.location.value}
+                        for j in jobs
+                        if j.footprint.get(gpu)
+                    },
+                }
+                for gpu, cap in sorted(self.devices.items())
+            ],
+            "jobs": [
+                {
+                    "job": j.name,
+                    "group": j.group,
+                    "location": j.location.value,
+                    "faulted": j.faulted or None,
+                    "sessions": len(j.sessions),
+                    "pids": sorted(j.pids),
+                    "footprint": {str(k): v for k, v in sorted(j.footprint.items())},
+                }
+                for j in jobs
+            ],
+        }
 
     def describe(self, now: float) -> status.ClusterCore:
         return {
@@ -744,14 +777,18 @@ class ClusterNode:
         PIDs, and the places it had in its group's queue are kept for ``keep_turns_for`` s.
         Raises ``ValueError`` for a picture ``durable`` did not write (nothing is taken up then).
         """
-        jobs = {}
-        for j in picture["jobs"]:
-            job = LocalJob(j["job"], j["group"], bool(j["exclusive"]), tuple(j["span"]), Location(j["location"]))
-            job.footprint = {int(g): int(n) for g, n in j["footprint"].items()}
-            job.faulted, job.pids = str(j["faulted"]), set(j["pids"])
-            jobs[job.name] = job
-        turns = {job: Turn(int(seq), now + keep_turns_for) for job, seq in picture["turns"].items() if job in jobs}
-        fences = {group: (int(term), int(fence)) for group, (term, fence) in picture["fences"].items()}
+        try:
+            jobs = {}
+            for j in picture["jobs"]:
+                where = Location(j["location"])
+                job = LocalJob(j["job"], j["group"], bool(j["exclusive"]), tuple(j["span"]), where)
+                job.footprint = {int(g): int(n) for g, n in j["footprint"].items()}
+                job.faulted, job.pids = str(j["faulted"]), set(j["pids"])
+                jobs[job.name] = job
+            turns = {job: Turn(int(seq), now + keep_turns_for) for job, seq in picture["turns"].items() if job in jobs}
+            fences = {group: (int(term), int(fence)) for group, (term, fence) in picture["fences"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"not a picture of this release's journal: {exc.__class__.__name__}: {exc}") from None
         self.jobs.update(jobs)
         self.turns.update(turns)
         self.fences.update(fences)

@@ -52,7 +52,9 @@ from ..core.events import (
 )
 from ..core.ids import GPU_STRIDE, global_gpu, global_session, gpu_slot, local_conn, local_gpu, session_slot
 from ..core.location import Location
-from ..core.scheduler import AUTO, Scheduler, SlicePolicy
+from ..core.model import AUTO
+from ..core.scheduler import Scheduler
+from ..core.slices import SlicePolicy
 from . import rebuild as steps
 from .asks import (
     Acquire,

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import logging
 import random
+import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from .. import errors
 from ..util.compat import timeout
 from ..wire import status
 from ..wire.codec import FrameDecoder, encode
-from ..wire.proof import CHALLENGE_BYTES, Purpose, new_challenge, proof_matches, prove
+from ..wire.proof import CHALLENGE_BYTES, Purpose, proof_matches, prove
 
 log = logging.getLogger(__name__)
 
@@ -404,7 +405,7 @@ class _Outbound(asyncio.Protocol):
         self.decoder = FrameDecoder(owner.max_frame)
         self.hello_sent = False
         self.welcomed = False
-        self.nonce = new_challenge()  # the accepter proves the token over it
+        self.nonce = secrets.token_bytes(NONCE_SIZE)  # the accepter proves the token over it
         self.paused = False
         self.error: errors.TimeslicedError | None = None
         # Both futures only ever get a result, so none holds an exception nobody retrieves.
@@ -517,7 +518,7 @@ class _Inbound(asyncio.Protocol):
         self.owner = owner
         self.transport: asyncio.Transport | None = None
         self.decoder = FrameDecoder(owner.max_frame)
-        self.nonce = new_challenge()
+        self.nonce = secrets.token_bytes(NONCE_SIZE)
         self.peer: str | None = None  # the authenticated sender
         self.address = "?"
         self.closed = False

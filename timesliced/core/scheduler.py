@@ -67,26 +67,13 @@ from .events import (
 from .figures import Figures
 from .ledger import MemoryLedger, PendingAlloc
 from .location import Cause, Location
-from .model import AUTO, MAX_REQUESTS_PER_JOB, RECENT, Group, GroupState, Job, Switch, Waiter
+from .model import AUTO, Group, GroupState, Job
 from .moves import Move, Moves
 from .queues import LockQueues
 from .rebuild import Rebuild
 from .registry import Registry
 from .slices import SlicePolicies, SlicePolicy
 from .undo import Fields, Journal
-
-__all__ = [
-    "AUTO",
-    "MAX_REQUESTS_PER_JOB",
-    "RECENT",
-    "Group",
-    "GroupState",
-    "Job",
-    "Scheduler",
-    "SlicePolicy",
-    "Switch",
-    "Waiter",
-]
 
 P = ParamSpec("P")
 R = TypeVar("R")

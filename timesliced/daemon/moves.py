@@ -52,22 +52,25 @@ class Mover:
     async def run(self, effect: RunMove, target: Callable[[str], JobTarget], finished: Finished) -> None:
         """This node's part of ``effect``; ``finished`` is told how it went, exactly once."""
         kind = effect.kind
+        result: MoveResult | None = None
         try:
             job = target(effect.job)
             backend = self.parking.backend(job.park.method)
             if kind == "reclaim":
-                await self._reclaim(job, backend)
-                finished(effect.key, True, 0, 0.0, "")
-                return
-            operation = backend.snapshot if kind == "snapshot" else backend.restore
-            self.crash.move_starting(kind, asyncio.get_running_loop())
-            async with timeout(self.op_timeout):
-                result: MoveResult = await operation(job)
-            self.crash.reached(f"after-{kind}")
+                await self._reclaim(job, backend)  # a reclaim that fails is logged there
+            else:
+                operation = backend.snapshot if kind == "snapshot" else backend.restore
+                self.crash.move_starting(kind, asyncio.get_running_loop())
+                async with timeout(self.op_timeout):
+                    result = await operation(job)
+                self.crash.reached(f"after-{kind}")
         except Exception as exc:  # a failed move faults the job, never the daemon
             reason = "timed out" if isinstance(exc, TimeoutError) else f"{exc.__class__.__name__}: {exc}"
             log.error("%s of job %r failed: %s", kind, effect.job, reason)
             finished(effect.key, False, 0, 0.0, reason)
+            return
+        if result is None:  # the reclaim
+            finished(effect.key, True, 0, 0.0, "")
             return
         log.info(
             "%s of job %r with %s: %d bytes in %.3fs (%.1f GB/s)",

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import errors
-from ..backends.sim import SimBackend
 from ..cluster.asks import Acquire, Alloc, Cancel, Register, Release, Request
 from ..cluster.node import ClusterNode
 from ..core.history import History
@@ -106,14 +105,14 @@ class ClientOps:
             raise errors.BadRequest(f"job {job!r} is parked with {method}: it has no simulated memory")
         if gpu not in self.cluster.local_gpus(job):
             raise errors.UnknownDevice(f"GPU {gpu} is not one of this node's GPUs of job {job!r}")
-        return self._forward(conn, Alloc(conn.id, rid, gpu, self._sim().rounded(nbytes), nbytes))
+        return self._forward(conn, Alloc(conn.id, rid, gpu, self.parking.sim_or_raise().rounded(nbytes), nbytes))
 
     def sim_free(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         job = self._job_of(conn)
         region = arg_int(args, "region")
         if (job, region) not in self.jobs.regions:
             raise errors.UnknownRegion(f"job {job!r} has no region {region}")
-        freed = self._sim().free(job, region)
+        freed = self.parking.sim_or_raise().free(job, region)
         gpu, nbytes = self.jobs.regions.pop((job, region))
         self._freed(job, gpu, nbytes)
         return {"region": region, "freed": freed}
@@ -133,11 +132,6 @@ class ClientOps:
         if job is None:
             raise errors.NotRegistered("register a job before using the lock")
         return job
-
-    def _sim(self) -> SimBackend:
-        if self.parking.sim is None:
-            raise errors.BackendUnavailable("simulated device memory needs simulated GPUs (--backend sim)")
-        return self.parking.sim
 
 
 OPS: dict[str, Op] = {

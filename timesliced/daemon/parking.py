@@ -62,6 +62,12 @@ class Parking:
             "methods": {m: "available" if m in self.backends else self.unavailable.get(m, "") for m in METHODS},
         }
 
+    def sim_or_raise(self) -> SimBackend:
+        """The simulated GPUs' backend; raises ``BackendUnavailable`` on a node with real GPUs."""
+        if self.sim is None:
+            raise errors.BackendUnavailable("simulated device memory needs simulated GPUs (--backend sim)")
+        return self.sim
+
     async def aclose(self) -> None:
         for backend in self.backends.values():
             try:

@@ -71,7 +71,14 @@ class Recovery:
             log.warning("reclaiming simulated state of job %r: no job of the journal owns it", job)
             assert sim is not None
             await sim.reclaim(job)
-        cluster.restore({**picture, "jobs": kept}, now, self.config.recovery_grace)
+        try:
+            cluster.restore({**picture, "jobs": kept}, now, self.config.recovery_grace)
+        except ValueError as exc:  # a journal of another release, say: start afresh rather than not at all
+            log.error(
+                "the journal in %s cannot be taken up (%s); starting without the last run's turns and fences",
+                self.config.state_dir,
+                exc,
+            )
         self.save(cluster, now)
 
     async def _settle(self, entry: dict[str, Any], spec: ParkSpec, record: Any) -> dict[str, Any] | None:

@@ -383,7 +383,7 @@ class Daemon:
     def _allocate(self, effect: Allocate) -> None:
         conn = self._conns.get(effect.conn)
         try:
-            info = self.ops._sim().alloc(effect.job, effect.gpu, effect.requested)
+            info = self.parking.sim_or_raise().alloc(effect.job, effect.gpu, effect.requested)
         except Exception as exc:
             self._step(self.cluster.freed, effect.job, effect.gpu, effect.nbytes, self._now())
             if conn is not None:

@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import os
+import secrets
 import socket
 import struct
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any, Protocol
 from .. import errors
 from ..wire.codec import FrameDecoder, encode
 from ..wire.messages import PROTOCOL_VERSION, Push, Reply, parse_request, quoted, request_id_of
-from ..wire.proof import Purpose, new_challenge, proof_matches
+from ..wire.proof import CHALLENGE_BYTES, Purpose, proof_matches
 from ..wire.status import Counters
 
 log = logging.getLogger(__name__)
@@ -299,7 +300,7 @@ class ClientServer:
         if self.lease:
             reply["lease_s"] = self.lease
         if conn.peer.transport == "tcp":
-            conn.challenge = reply["challenge"] = new_challenge().hex()
+            conn.challenge = reply["challenge"] = secrets.token_hex(CHALLENGE_BYTES)
         return reply
 
     def _auth(self, conn: Connection, op: str, args: dict[str, Any]) -> dict[str, Any]:

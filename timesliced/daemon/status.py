@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TypedDict
+from typing import TypedDict, cast
 
-from ..cluster.node import ClusterNode, LocalJob
+from ..cluster.node import ClusterNode
 from ..cluster.transport import PeerTransport
 from ..config import DaemonConfig
 from ..telemetry import MoveLog, SimGpuSource, Telemetry
@@ -93,38 +93,10 @@ class StatusReport:
 
     def local_picture(self) -> schema.Picture:
         """A follower's own GPUs and jobs."""
-        c = self.cluster
-        return {
-            "devices": [
-                {
-                    "index": gpu,
-                    "capacity": cap,
-                    "used": sum(j.footprint.get(gpu, 0) for j in c.jobs.values() if j.location.occupies_device),
-                    "jobs": {
-                        j.name: {"bytes": j.footprint[gpu], "location": j.location.value}
-                        for j in c.jobs.values()
-                        if j.footprint.get(gpu)
-                    },
-                }
-                for gpu, cap in sorted(c.devices.items())
-            ],
-            "groups": [],
-            "jobs": [self._local_job(j) for j in c.jobs.values()],
-        }
-
-    def _local_job(self, j: LocalJob) -> schema.Job:
-        parked = self._parking_of(j.name)
-        return {
-            "job": j.name,
-            "group": j.group,
-            "location": j.location.value,
-            "faulted": j.faulted or None,
-            "sessions": len(j.sessions),
-            "pids": sorted(j.pids),
-            "footprint": {str(k): v for k, v in sorted(j.footprint.items())},
-            "park": parked["park"],
-            "measured": parked["measured"],
-        }
+        seen = self.cluster.describe_local()
+        # A Job without the scheduler's figures (they are the leader's): mypy cannot see that through **.
+        jobs = [cast(schema.Job, {**place, **self._parking_of(place["job"])}) for place in seen["jobs"]]
+        return {"devices": seen["devices"], "groups": [], "jobs": jobs}
 
     def moves_with_wall_times(self, now: float) -> schema.Moves:
         log = self.moves.describe()

@@ -1,6 +1,6 @@
 """GPU telemetry: duty cycles, memory over time and the bytes each move of a job moved.
 
-Pure parts (no I/O, no clock; every call takes ``now``):
+Parts that keep no clock (every call takes ``now``):
 
 - :mod:`.duty`: :class:`DutyWindow`, one GPU's duty cycle and memory over a sliding window.
 - :mod:`.gpus`: :class:`GpuRecord`, the latest sample and the duty window of every GPU.

@@ -1,6 +1,7 @@
 """The one way the deployment's shared token is proved, by TCP clients and by peers alike (pure).
 
-The side that is asked sends a fresh random challenge; the other answers with an HMAC-SHA256
+The side that is asked sends a fresh random challenge (``CHALLENGE_BYTES`` from ``secrets``, drawn by
+the shell: this module keeps no source of randomness); the other answers with an HMAC-SHA256
 keyed by the token over a purpose, the challenge and the names it binds (both ends of a peer
 link). The token never crosses the wire, a proof is good for one challenge only, and the purpose
 keeps a proof made for one step (a client's ``auth``, a peer's hello, a peer's welcome) from ever
@@ -12,7 +13,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import secrets
 import struct
 
 CHALLENGE_BYTES = 32
@@ -24,11 +24,6 @@ class Purpose(enum.Enum):
     CLIENT = b"timesliced client auth v1\0"  # a TCP client's ``auth`` answering the daemon's hello
     PEER_HELLO = b"timesliced peer hello v2\0"  # a dialing peer answering the accepter's challenge
     PEER_WELCOME = b"timesliced peer welcome v2\0"  # the accepter answering the dialer's own nonce
-
-
-def new_challenge() -> bytes:
-    """A fresh random challenge for one connection."""
-    return secrets.token_bytes(CHALLENGE_BYTES)
 
 
 def prove(token: str | bytes, purpose: Purpose, challenge: bytes, *bound: str) -> bytes:

@@ -105,6 +105,13 @@ class SchedulerPicture(TypedDict):
     jobs: list[JobFigures]
 
 
+class LocalPicture(TypedDict):
+    """What a cluster node knows of its own GPUs and jobs (``ClusterNode.describe_local``)."""
+
+    devices: list[Device]
+    jobs: list[JobPlace]
+
+
 class Picture(TypedDict):
     """The node's picture: the scheduler's on the leader, a follower's own GPUs and jobs elsewhere."""
 
