@@ -15,18 +15,38 @@ from .messages import arg_int, arg_str, arg_str_list
 METHODS = ("sim", "cuda-checkpoint", "offload", "vllm", "sglang")
 ENGINES = ("vllm", "sglang")
 
+# What opting in to weights that a park discards means, for every message that asks for it.
+RELOAD_PROMISE = (
+    "the job reloads the engine's weights itself after every restore, before it generates "
+    '(vLLM: POST /collective_rpc with {"method": "reload_weights"}, or a weight update from its trainer; '
+    "SGLang: POST /update_weights_from_disk, /update_weights_from_tensor or /update_weights_from_distributed)"
+)
+
 
 @dataclass(frozen=True)
 class ParkSpec:
-    """How a job asked to be parked (the ``park`` argument of ``register``)."""
+    """How a job asked to be parked (the ``park`` argument of ``register``).
+
+    ``reloads_weights``: the job's engines may discard their weights when parked (vLLM sleep
+    level 2; SGLang without ``--enable-weights-cpu-backup``) because the job reloads them itself
+    after every restore. Without it such a park is refused, since the engine would wake up
+    serving whatever the memory then holds.
+    """
 
     method: str
     endpoints: tuple[str, ...] = ()  # vllm / sglang: base URLs of the engine replicas
     tags: tuple[str, ...] = ()  # offload / vllm / sglang: which parts to park; () = all
     level: int = 1  # vllm sleep level (1: weights to host, 2: discard weights)
+    reloads_weights: bool = False  # vllm / sglang: the job reloads discarded weights itself
 
     def to_wire(self) -> dict[str, Any]:
-        return {"method": self.method, "endpoints": list(self.endpoints), "tags": list(self.tags), "level": self.level}
+        return {
+            "method": self.method,
+            "endpoints": list(self.endpoints),
+            "tags": list(self.tags),
+            "level": self.level,
+            "reloads_weights": self.reloads_weights,
+        }
 
     @classmethod
     def from_wire(cls, raw: Any, default: str) -> ParkSpec:
@@ -47,4 +67,17 @@ class ParkSpec:
         level = arg_int(raw, "level", default=1)
         if level not in (1, 2):
             raise errors.BadRequest("'level' must be 1 (keep weights in host memory) or 2 (discard them)")
-        return cls(method, tuple(endpoints), tuple(arg_str_list(raw, "tags", max_chars=128)), level)
+        reloads = raw.get("reloads_weights", False)
+        if not isinstance(reloads, bool):
+            raise errors.BadRequest("'reloads_weights' must be true or false")
+        if reloads and method not in ENGINES:
+            raise errors.BadRequest(
+                f"'reloads_weights' is for jobs parked with vllm or sglang, not {method}: leave it out"
+            )
+        if method == "vllm" and level == 2 and not reloads:
+            raise errors.BadRequest(
+                "vLLM sleep level 2 discards the engine's weights, so the engine would wake up with "
+                "uninitialised weights; use level 1 (weights kept in host memory), or opt in with "
+                f"'reloads_weights': true if {RELOAD_PROMISE}"
+            )
+        return cls(method, tuple(endpoints), tuple(arg_str_list(raw, "tags", max_chars=128)), level, reloads)
