@@ -3,78 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import pytest
 
 from tests.fakes.engines import FakeEngine, FakeSglang, FakeVllm, GiB
+from tests.helpers.engines import SGLANG_PARK, SGLANG_UNPARK, SLEEP, raises, rig, run, target, until
 from timesliced import errors
 from timesliced.backends.base import JobTarget
-from timesliced.backends.engines import EngineBackend, SglangBackend, VllmBackend, make_engine_backend
+from timesliced.backends.engines import SglangBackend, VllmBackend, make_engine_backend
 from timesliced.wire.park import ParkSpec
 
 REPO = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
-F = TypeVar("F", bound=FakeEngine)
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
-
-
-@contextlib.asynccontextmanager
-async def rig(
-    fake: Callable[[], F], n: int = 1, backend: type[EngineBackend] = VllmBackend, **settings: Any
-) -> AsyncIterator[tuple[EngineBackend, list[F]]]:
-    """``n`` started fakes and a backend, all stopped and closed at the end."""
-    fakes = [fake() for _ in range(n)]
-    b = backend(**settings)
-    try:
-        for f in fakes:
-            await f.start()
-        yield b, fakes
-    finally:
-        await b.aclose()
-        for f in fakes:
-            await f.stop()
-
-
-def target(
-    fakes: list[Any], method: str = "vllm", *, tags: tuple[str, ...] = (), level: int = 1, **kw: Any
-) -> JobTarget:
-    return JobTarget(
-        kw.get("name", "j"),
-        kw.get("gpus", (0,)),
-        kw.get("pids", ()),
-        ParkSpec(method, tuple(f.url for f in fakes), tags, level),
-    )
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait for a condition the test drives towards; the bound only keeps a broken test from hanging."""
-
-    async def poll() -> None:
-        while not predicate():
-            await asyncio.sleep(0.005)
-
-    await asyncio.wait_for(poll(), timeout)
-
-
-async def raises(
-    cls: type[errors.TimeslicedError], aw: Awaitable[Any], match: str | None = None
-) -> errors.TimeslicedError:
-    with pytest.raises(cls, match=match) as info:
-        await aw
-    return info.value
 
 
 def closed_port() -> int:
@@ -99,8 +46,8 @@ def test_vllm_sleeps_and_wakes() -> None:
             await b.restore(job)
             assert not f.sleeping and f.resident_bytes() == 12 * GiB
             assert b.job_state("j") == "resident"
-            assert f.paths() == ["/sleep?level=1", "/wake_up"]
-            assert [c.method for c in f.calls] == ["POST", "POST"]
+            assert f.paths() == [SLEEP, "/is_sleeping", "/wake_up", "/is_sleeping"]
+            assert [c.method for c in f.calls] == ["POST", "GET", "POST", "GET"]
 
     run(body())
 
@@ -108,11 +55,16 @@ def test_vllm_sleeps_and_wakes() -> None:
 def test_vllm_level_and_tags_pass_through() -> None:
     async def body() -> None:
         async with rig(FakeVllm) as (b, [f]):
-            job = target([f], tags=("weights", "kv_cache"), level=2)
+            job = target([f], tags=("weights", "kv_cache"), level=2, reloads_weights=True)
             await b.snapshot(job)
             assert f.level == 2 and f.weights_lost
             await b.restore(job)
-            assert f.paths() == ["/sleep?level=2", "/wake_up?tags=weights&tags=kv_cache"]
+            assert f.paths() == [
+                "/sleep?level=2&mode=wait",
+                "/is_sleeping",
+                "/wake_up?tags=weights&tags=kv_cache",
+                "/is_sleeping",
+            ]
             assert not f.sleeping
 
     run(body())
@@ -139,10 +91,14 @@ def test_sglang_releases_and_resumes_everything_with_an_empty_body() -> None:
             await b.snapshot(job)
             assert f.released() == {"weights", "kv_cache", "cuda_graph"} and f.resident_bytes() == 0
             await b.restore(job)
-            assert f.released() == set()
+            assert f.released() == set() and not f.paused
             assert [(c.path, c.body, c.status) for c in f.calls] == [
+                ("/server_info", None, 200),
+                ("/pause_generation", {"mode": "retract"}, 200),
+                ("/flush_cache", None, 200),
                 ("/release_memory_occupation", {}, 200),
                 ("/resume_memory_occupation", {}, 200),
+                ("/continue_generation", {}, 200),
             ]
 
     run(body())
@@ -155,7 +111,8 @@ def test_sglang_tags_pass_through() -> None:
             await b.snapshot(job)
             assert f.released() == {"kv_cache", "cuda_graph"} and f.resident_bytes() == 4 * GiB
             await b.restore(job)
-            assert [c.body for c in f.calls] == [{"tags": ["kv_cache", "cuda_graph"]}] * 2
+            memory = [c.body for c in f.calls if c.path.endswith("_memory_occupation")]
+            assert memory == [{"tags": ["kv_cache", "cuda_graph"]}] * 2
             assert f.released() == set()
 
     run(body())
@@ -181,7 +138,7 @@ def test_vllm_without_dev_mode_is_a_clear_404() -> None:
     async def body() -> None:
         async with rig(lambda: FakeVllm(dev_mode=False)) as (b, [f]):
             err = await raises(errors.EndpointError, b.snapshot(target([f])))
-            assert f"POST {f.url}/sleep?level=1 answered HTTP 404" in err.message
+            assert f"POST {f.url}/sleep?level=1&mode=wait answered HTTP 404" in err.message
             assert "VLLM_SERVER_DEV_MODE=1" in err.message and "--enable-sleep-mode" in err.message
             assert b.job_state("j") == "unknown"
 
@@ -200,13 +157,15 @@ def test_vllm_without_sleep_mode_fails_in_the_engine() -> None:
 def test_error_answer_names_method_url_status_and_an_excerpt() -> None:
     async def body() -> None:
         async with rig(FakeSglang, backend=SglangBackend) as (b, [f]):
-            f.inject(status=503, body="overloaded " + "x" * 400 + " TAIL")
+            f.inject(path="/release_memory_occupation", status=503, body="overloaded " + "x" * 400 + " TAIL")
             err = await raises(errors.EndpointError, b.snapshot(target([f], "sglang")))
             assert f"POST {f.url}/release_memory_occupation answered HTTP 503 Service Unavailable" in err.message
             assert "overloaded xxx" in err.message and "TAIL" not in err.message
             assert err.details["job"] == "j" and err.details["endpoints"] == [f.url]
             assert isinstance(err.__cause__, errors.EndpointError) and err.__cause__.details["status"] == 503
-            assert f.released() == set()
+            # A 5xx may come after the release happened, and a second release breaks SGLang: left alone.
+            assert f"the state of {f.url} is unknown" in err.message
+            assert f.released() == set() and f.paused
 
     run(body())
 
@@ -220,7 +179,7 @@ def test_timeout_names_the_endpoint_and_the_sleep_is_undone() -> None:
             err = await raises(errors.BackendTimeout, b.snapshot(target([f])))
             assert f"vLLM endpoint {f.url} did not answer within 0.2 s" in err.message
             assert f"woke {f.url} again" in err.message
-            assert f.paths() == ["/sleep?level=1", "/wake_up"] and not f.sleeping
+            assert f.paths() == [SLEEP, "/wake_up"] and not f.sleeping
 
     run(body())
 
@@ -278,8 +237,8 @@ def test_failed_snapshot_wakes_the_replicas_that_slept() -> None:
             assert "1 of 3 vLLM replicas failed" in err.message and err.details["endpoints"] == [fakes[1].url]
             assert not any(f.sleeping for f in fakes)
             # The refusing replica did not sleep, so it is not woken; the others are.
-            slept_and_woke = ["/sleep?level=1", "/wake_up"]
-            assert [f.paths() for f in fakes] == [slept_and_woke, ["/sleep?level=1"], slept_and_woke]
+            slept_and_woke = [SLEEP, "/is_sleeping", "/wake_up"]
+            assert [f.paths() for f in fakes] == [slept_and_woke, [SLEEP], slept_and_woke]
             assert b.job_state("j") == "unknown"
 
     run(body())
@@ -288,7 +247,7 @@ def test_failed_snapshot_wakes_the_replicas_that_slept() -> None:
 def test_failed_restore_puts_the_woken_replicas_back_to_sleep() -> None:
     async def body() -> None:
         async with rig(FakeVllm, n=2) as (b, fakes):
-            job = target(fakes, level=2)
+            job = target(fakes, level=2, reloads_weights=True)
             await b.snapshot(job)
             fakes[1].inject(path="/wake_up", status=500, body="CUDA out of memory")
             err = await raises(errors.EndpointError, b.restore(job), match="CUDA out of memory")
@@ -304,13 +263,14 @@ def test_sglang_rolls_back_only_what_surely_moved() -> None:
     # did not release breaks it, so that replica is left alone and reported.
     async def body() -> None:
         async with rig(FakeSglang, n=2, backend=SglangBackend) as (b, fakes):
-            fakes[1].inject(drop=True, apply=True)
+            fakes[1].inject(path="/release_memory_occupation", drop=True, apply=True)
             err = await raises(errors.EndpointError, b.snapshot(target(fakes, "sglang")))
             assert f"woke {fakes[0].url} again" in err.message
             assert f"the state of {fakes[1].url} is unknown" in err.message
-            assert fakes[0].released() == set()
+            assert fakes[0].released() == set() and not fakes[0].paused
             assert fakes[1].released() == {"weights", "kv_cache", "cuda_graph"}
-            assert fakes[1].paths() == ["/release_memory_occupation"]
+            # Not even continued: generating on memory that may be released would fail.
+            assert fakes[1].paths() == ["/server_info", *SGLANG_PARK] and fakes[1].paused
 
     run(body())
 
@@ -322,12 +282,10 @@ def test_sglang_failed_restore_releases_the_resumed_replicas_again() -> None:
             await b.snapshot(job)
             fakes[0].inject(path="/resume_memory_occupation", status=400, body='{"error": {"message": "busy"}}')
             await raises(errors.EndpointError, b.restore(job), match="busy")
-            assert all(f.released() == {"weights"} for f in fakes)
-            assert fakes[1].paths() == [
-                "/release_memory_occupation",
-                "/resume_memory_occupation",
-                "/release_memory_occupation",
-            ]
+            assert all(f.released() == {"weights"} and f.paused for f in fakes)
+            # Put back to sleep as it was parked: paused, checked idle, released.
+            assert fakes[1].paths() == ["/server_info", *SGLANG_PARK, *SGLANG_UNPARK, *SGLANG_PARK]
+            assert fakes[0].paths()[-1] == "/resume_memory_occupation"  # refused: nothing to undo
 
     run(body())
 
@@ -335,12 +293,13 @@ def test_sglang_failed_restore_releases_the_resumed_replicas_again() -> None:
 def test_a_failed_rollback_is_reported() -> None:
     async def body() -> None:
         async with rig(FakeSglang, n=2, backend=SglangBackend) as (b, fakes):
-            fakes[1].inject(status=400, body="refused")
+            fakes[1].inject(path="/release_memory_occupation", status=400, body="refused")
             fakes[0].inject(path="/resume_memory_occupation", status=500, body="stuck")
             err = await raises(errors.EndpointError, b.snapshot(target(fakes, "sglang")))
             assert f"could not wake {fakes[0].url}" in err.message and "stuck" in err.message
             assert "the job's replicas are now in different states" in err.message
             assert fakes[0].released() and not fakes[1].released()
+            assert fakes[0].paused and not fakes[1].paused  # not continued on released memory
 
     run(body())
 
@@ -372,7 +331,7 @@ def test_cancelled_snapshot_is_rolled_back() -> None:
             with pytest.raises(asyncio.CancelledError):
                 await move
             assert not f.sleeping and not g.sleeping
-            assert g.paths() == ["/sleep?level=1", "/wake_up"]
+            assert g.paths() == [SLEEP, "/wake_up"]
             assert b.job_state("j") == "unknown"
 
     run(body())
@@ -409,6 +368,7 @@ def test_options_the_engine_cannot_honour() -> None:
         async with rig(FakeVllm) as (b, [f]):
             await raises(errors.BackendError, b.snapshot(target([f], level=3)), "level must be 1")
             await raises(errors.BackendError, b.snapshot(target([f], level=0)), "level must be 1")
+            await raises(errors.BackendError, b.snapshot(target([f], level=2)), "level 2 discards the weights")
             await raises(errors.BackendError, b.restore(target([f], tags=("cuda_graph",))), "cannot park 'cuda_graph'")
             assert f.calls == []
         async with rig(FakeSglang, backend=SglangBackend) as (b, [f]):
@@ -428,7 +388,7 @@ def test_one_move_per_job_at_a_time() -> None:
             await b.snapshot(target([g], name="other"))  # other jobs move meanwhile
             f.release()
             await first
-            assert f.paths() == ["/sleep?level=1"] and g.sleeping
+            assert f.paths() == [SLEEP, "/is_sleeping"] and g.sleeping
 
     run(body())
 
@@ -513,7 +473,7 @@ def test_reclaim_forgets_the_job_and_sends_nothing() -> None:
         async with rig(FakeVllm) as (b, [f]):
             await b.snapshot(target([f]))
             await b.reclaim(target([f]))
-            assert b.job_state("j") == "unknown" and f.sleeping and len(f.calls) == 1
+            assert b.job_state("j") == "unknown" and f.sleeping and len(f.calls) == 2
             await b.reclaim(target([f], name="never-seen"))
 
     run(body())
@@ -632,6 +592,7 @@ def test_fake_as_a_process() -> None:
                 ("/sleep", 503),
                 ("/wake_up", 200),
                 ("/sleep", 200),
+                ("/is_sleeping", 200),
             ]
         finally:
             await b.aclose()

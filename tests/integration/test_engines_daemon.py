@@ -25,9 +25,9 @@ pytestmark = pytest.mark.slow  # the quick loop (-m "not slow") leaves these out
 class EngineProcess:
     """``python -m tests.fakes.engines KIND`` on a free port, driven over its control routes."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, *flags: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.fakes.engines", kind, "--port", "0"],
+            [sys.executable, "-m", "tests.fakes.engines", kind, "--port", "0", *flags],
             cwd=REPO,
             stdout=subprocess.PIPE,
             text=True,
@@ -65,7 +65,11 @@ def engines() -> Iterator[dict[str, EngineProcess]]:
 
 def engine_client(daemon: EmbeddedDaemon, job: str, method: str, url: str, **spec: Any) -> timesliced.Client:
     c = timesliced.Client(job=job, group="g", address=daemon.socket, park=ParkSpec(method, (url,), **spec))
-    c.connect()
+    try:
+        c.connect()
+    except BaseException:
+        c.close()
+        raise
     return c
 
 
@@ -91,8 +95,17 @@ def test_a_vllm_and_an_sglang_job_take_turns(daemon: EmbeddedDaemon, engines: di
         assert got and got[0].job == "judge" and got[0].restored
         assert vllm.state()["sleeping"] and vllm.state()["level"] == 1
         assert sglang.state()["released"] == []
-        paths = [c["path"] for c in vllm.state()["calls"]]
-        assert paths == ["/sleep"]
+        calls = [(c["path"], c["query"]) for c in vllm.state()["calls"]]
+        assert calls == [("/sleep", [["level", "1"], ["mode", "wait"]]), ("/is_sleeping", [])]
+        sglang_paths = [c["path"] for c in sglang.state()["calls"]]
+        assert sglang_paths == [
+            "/server_info",
+            "/pause_generation",
+            "/flush_cache",
+            "/release_memory_occupation",
+            "/resume_memory_occupation",
+            "/continue_generation",
+        ]
         assert job_status(a, "sampler")["location"] == "parked"
 
 
@@ -142,3 +155,38 @@ def test_an_engine_that_does_not_answer_in_time(engines: dict[str, EngineProcess
             assert "did not answer within 0.5 s" in reason
             with pytest.raises(errors.JobFaulted):
                 a.acquire(timeout=5)
+
+
+def test_vllm_level_2_is_refused_at_registration_unless_the_job_reloads_its_weights(
+    daemon: EmbeddedDaemon, engines: dict[str, EngineProcess]
+) -> None:
+    url = engines["vllm"].url
+    with pytest.raises(errors.BadRequest, match="level 2 discards the engine's weights") as info:
+        engine_client(daemon, "sampler", "vllm", url, level=2)
+    assert "'reloads_weights': true" in info.value.message
+    with engine_client(daemon, "sampler", "vllm", url, level=2, reloads_weights=True) as c:
+        assert c.acquire(timeout=10).job == "sampler"
+    assert engines["vllm"].state()["calls"] == []  # refused before anything was sent
+
+
+def test_an_sglang_job_whose_server_would_discard_its_weights_is_faulted_at_its_first_park(
+    daemon: EmbeddedDaemon, engines: dict[str, EngineProcess]
+) -> None:
+    sglang = EngineProcess("sglang", "--no-weights-cpu-backup")
+    try:
+        with (
+            engine_client(daemon, "judge", "sglang", sglang.url) as b,
+            engine_client(daemon, "sampler", "vllm", engines["vllm"].url) as a,
+        ):
+            # Parking the judge for the sampler is refused: it is faulted where it is (resident),
+            # and the sampler still gets its turn.
+            assert a.acquire(timeout=10).job == "sampler"
+            reason = job_status(a, "judge")["faulted"]
+            assert "--enable-weights-cpu-backup" in reason and "reloads_weights=True" in reason
+            state = sglang.state()
+            assert [c["path"] for c in state["calls"]] == ["/server_info"]
+            assert state["released"] == [] and not state["weights_lost"] and not state["paused"]
+            with pytest.raises(errors.JobFaulted):
+                b.acquire(timeout=5)
+    finally:
+        sglang.stop()
