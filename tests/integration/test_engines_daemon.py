@@ -46,6 +46,12 @@ class EngineProcess:
         with urllib.request.urlopen(request, timeout=10):
             pass
 
+    def run_requests(self, n: int) -> None:
+        body = json.dumps({"running": n}).encode()
+        request = urllib.request.Request(f"{self.url}/_fake/requests", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(10)
@@ -190,3 +196,22 @@ def test_an_sglang_job_whose_server_would_discard_its_weights_is_faulted_at_its_
                 b.acquire(timeout=5)
     finally:
         sglang.stop()
+
+
+def test_an_sglang_job_that_yields_with_requests_running_is_faulted_not_its_server(
+    daemon: EmbeddedDaemon, engines: dict[str, EngineProcess]
+) -> None:
+    vllm, sglang = engines["vllm"], engines["sglang"]
+    with (
+        engine_client(daemon, "judge", "sglang", sglang.url) as b,
+        engine_client(daemon, "sampler", "vllm", vllm.url) as a,
+    ):
+        sglang.run_requests(2)  # the judge's engine still generates when the sampler wants the GPU
+        assert a.acquire(timeout=10).job == "sampler"
+        reason = job_status(a, "judge")["faulted"]
+        assert "not idle" in reason and "let the job's requests finish" in reason
+        state = sglang.state()
+        assert not state["crashed"] and state["released"] == [] and not state["paused"]
+        assert (state["running"], state["aborted"]) == (2, 0)  # its requests go on
+        with pytest.raises(errors.JobFaulted):
+            b.acquire(timeout=5)
