@@ -15,7 +15,7 @@ and collecting the tests that use it never needs cuda-python:
   process that has not initialised CUDA returns ``CUDA_ERROR_NOT_INITIALIZED``
   (``no_cuda_result`` picks the other answer, which some drivers may give);
 - every checkpoint call before ``init()`` returns ``CUDA_ERROR_NOT_INITIALIZED``;
-- ``init()`` reads ``CUDA_VISIBLE_DEVICES`` (from ``environ``) once, as ``cuInit`` does, and
+- ``init()`` reads ``CUDA_VISIBLE_DEVICES`` (from ``environ``, empty unless given) once, as ``cuInit`` does, and
   ``devices()`` then lists the UUIDs it leaves visible (indices and ``GPU-`` UUID prefixes;
   the first entry that names no GPU ends the list);
 - a lock waits for the process's submitted GPU work (``busy``) up to its timeout,
@@ -44,7 +44,6 @@ owns a process table (``descendants``, ``alive``) for the backend to read.
 from __future__ import annotations
 
 import enum
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -270,7 +269,7 @@ class FakeCheckpointDriver:
         self.memory = memory
         self.no_cuda_result = no_cuda_result  # a live process without CUDA state answers this
         self.gpu_uuids = gpu_uuids if gpu_uuids is not None else [gpu_uuid(i) for i in sorted(memory.capacity)]
-        self.environ = environ if environ is not None else os.environ
+        self.environ = environ if environ is not None else {}  # pass os.environ to read this process's
         self.visible: list[str] = []  # what init() left visible
         self.seen_visible_devices: str | None = None  # the CUDA_VISIBLE_DEVICES init() read
         self.cuda_version = cuda_version

@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def linux_probe(driver: Any = None, **options: Any) -> Any:
+    options.setdefault("environ", {})  # whatever this machine's CUDA_VISIBLE_DEVICES, the same answer
     return probe(driver, system="Linux", machine="x86_64", **options)
 
 

@@ -647,6 +647,7 @@ def ok_driver(**options: Any) -> FakeCheckpointDriver:
 
 
 def linux_probe(driver: Any = None, **options: Any) -> Any:
+    options.setdefault("environ", {})  # whatever this machine's CUDA_VISIBLE_DEVICES, the same answer
     return probe(driver, system="Linux", machine="x86_64", **options)
 
 

@@ -151,7 +151,8 @@ def linux(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def fake_driver(monkeypatch: pytest.MonkeyPatch, gpus: int = 2) -> FakeCheckpointDriver:
     """The driver seam the probe builds, as a fake over ``gpus`` GPUs whose UUIDs are the NVML fake's."""
-    driver = FakeCheckpointDriver(FakeGpuMemory({i: 80 * GiB for i in range(gpus)}), cuda_version=13000)
+    memory = FakeGpuMemory({i: 80 * GiB for i in range(gpus)})
+    driver = FakeCheckpointDriver(memory, cuda_version=13000, environ=os.environ)
     monkeypatch.setattr(cuda_checkpoint, "CudaDriver", lambda: driver)
     return driver
 
