@@ -16,8 +16,12 @@ GPU indices are NVML's, which follow PCI bus order. CUDA numbers devices fastest
 first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` is set, and renumbers them under
 ``CUDA_VISIBLE_DEVICES``; the UUID is the stable name of a device.
 
-Process IDs come from the driver and are in the host's PID namespace; inside a
-container without the host's PID namespace they do not match ``os.getpid()``.
+Process IDs come from the kernel driver, which does not support PID namespaces: they
+are always the PIDs of the initial (host) PID namespace, whatever namespace the caller is in
+(NVIDIA's answer in NVIDIA/nvidia-docker#1483: "anytime you query it for the set of
+processes that are using GPUs, you will always get the host pids"). Inside a container
+without the host's PID namespace they do not match ``os.getpid()`` nor ``/proc``;
+:func:`pid_view` tells which case this process is in.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import enum
 import importlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +52,10 @@ _PROCESS_GETTERS = (
 )
 
 _CLOSE_WAIT = 5.0  # seconds close() waits for a query in flight before it gives up on nvmlShutdown
+
+# The inode of the initial PID namespace, as /proc/<pid>/ns/pid shows it: PROC_PID_INIT_INO
+# (0xEFFFFFFC) in the kernel's include/linux/proc_ns.h, fixed since Linux 3.8.
+PROC_PID_INIT_INO = 0xEFFFFFFC
 
 
 class NvmlState(enum.Enum):
@@ -107,6 +116,43 @@ class GpuSample:
     utilization_memory: int | None
     processes: dict[int, int] = field(default_factory=dict, hash=False)
     errors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PidView:
+    """Whether NVML's process IDs are this process's own (see :func:`pid_view`).
+
+    ``shared`` is True when this process is in the initial PID namespace, where NVML's
+    PIDs are the ones ``/proc`` and the checkpoint API use; False in another PID namespace
+    (a container without ``--pid=host``), where an NVML PID may even name an unrelated
+    process here; None when it could not be told. ``why`` says how it was decided.
+    """
+
+    shared: bool | None
+    why: str
+
+
+def pid_view(readlink: Callable[[str], str] = os.readlink) -> PidView:
+    """Whether this process sees PIDs as NVML reports them: compares its PID namespace with the initial one.
+
+    ``/proc/self/ns/pid`` reads ``pid:[INODE]``; the initial namespace's inode is
+    :data:`PROC_PID_INIT_INO`. (``NSpid`` in ``/proc/self/status`` cannot tell: a container
+    that mounts its own procfs shows a single entry there too.) ``readlink`` is for tests.
+    Never raises.
+    """
+    try:
+        link = readlink("/proc/self/ns/pid")
+    except OSError as exc:
+        return PidView(None, f"cannot read /proc/self/ns/pid ({exc.strerror or exc})")
+    inode = link.rpartition("[")[2].rstrip("]")
+    if not inode.isdigit():
+        return PidView(None, f"unexpected /proc/self/ns/pid link {link!r}")
+    if int(inode) == PROC_PID_INIT_INO:
+        return PidView(True, "the daemon is in the host's PID namespace, where NVML reports PIDs")
+    return PidView(
+        False,
+        f"the daemon is in PID namespace {inode}, not the host's ({PROC_PID_INIT_INO}): NVML reports host PIDs",
+    )
 
 
 @dataclass(frozen=True)
@@ -317,9 +363,20 @@ class Nvml:
         )
 
     def _processes(self, lib: ModuleType, handle: Any) -> dict[int, int]:
-        """pid -> bytes of the compute processes on one GPU. Raises ``NVMLError``."""
+        """pid -> bytes of the compute processes on one GPU (0 where not reported). Raises ``NVMLError``."""
+        return {pid: sum(n or 0 for n in parts) for pid, parts in _by_pid(self._infos(lib, handle)).items()}
+
+    def _reported(self, lib: ModuleType, handle: Any) -> dict[int, int | None]:
+        """pid -> bytes, or None where not reported, of the compute processes on one GPU. Raises ``NVMLError``."""
+        return {
+            pid: None if None in parts else sum(n for n in parts if n is not None)
+            for pid, parts in _by_pid(self._infos(lib, handle)).items()
+        }
+
+    def _infos(self, lib: ModuleType, handle: Any) -> Any:
+        """The process entries of one GPU from the newest getter the driver has. Raises ``NVMLError``."""
         if self._process_getter is not None:
-            return _by_pid(getattr(lib, self._process_getter)(handle))
+            return getattr(lib, self._process_getter)(handle)
         names = [n for n in _PROCESS_GETTERS if hasattr(lib, n)]
         for i, name in enumerate(names):
             try:
@@ -329,7 +386,7 @@ class Nvml:
                     continue  # the driver predates this getter: try the next older one
                 raise
             self._process_getter = name
-            return _by_pid(infos)
+            return infos
         raise lib.NVMLError(lib.NVML_ERROR_FUNCTION_NOT_FOUND)
 
     # --- GpuMemory -----------------------------------------------------------------------
@@ -347,11 +404,25 @@ class Nvml:
             except lib.NVMLError as exc:
                 raise errors.BackendError(f"NVML could not read the memory of GPU {gpu}: {exc}", gpu=gpu) from None
 
+    def used_bytes(self, gpu: int) -> int:
+        """Device memory of ``gpu`` in use now, by every process and the driver (NVML's ``used``).
+
+        Raises like :meth:`free_bytes`.
+        """
+        with self._lock:
+            lib, device = self._device(gpu)
+            try:
+                return int(lib.nvmlDeviceGetMemoryInfo(device.handle).used)
+            except lib.NVMLError as exc:
+                raise errors.BackendError(f"NVML could not read the memory of GPU {gpu}: {exc}", gpu=gpu) from None
+
     def process_memory(self) -> dict[int, dict[int, int]]:
         """pid -> {gpu -> bytes} for every process with a compute context on a usable GPU.
 
-        All or nothing, since callers plan with it: raises ``BackendError`` when the
-        query fails on any GPU, ``BackendUnavailable`` when NVML is not open.
+        A process whose usage NVML does not report counts 0 bytes (see
+        :meth:`process_memory_reported` to tell the two apart). All or nothing, since
+        callers plan with it: raises ``BackendError`` when the query fails on any GPU,
+        ``BackendUnavailable`` when NVML is not open.
         """
         with self._lock:
             lib = self._open_lib()
@@ -366,6 +437,42 @@ class Nvml:
                 for pid, nbytes in procs.items():
                     out.setdefault(pid, {})[gpu] = nbytes
             return out
+
+    def process_memory_reported(self) -> dict[int, dict[int, int | None]]:
+        """pid -> {gpu -> bytes or None} for every process with a compute context on a usable GPU.
+
+        None where NVML lists the process but reports its usage as NVML_VALUE_NOT_AVAILABLE
+        (pynvml's getters turn that into ``usedGpuMemory = None``): the process holds a
+        context on that GPU, its size unknown. PIDs are NVML's (see :func:`pid_view`).
+        Raises like :meth:`process_memory`.
+        """
+        with self._lock:
+            lib = self._open_lib()
+            out: dict[int, dict[int, int | None]] = {}
+            for gpu, device in sorted(self._devices.items()):
+                try:
+                    procs = self._reported(lib, device.handle)
+                except lib.NVMLError as exc:
+                    raise errors.BackendError(
+                        f"NVML could not list the processes on GPU {gpu}: {exc}", gpu=gpu
+                    ) from None
+                for pid, nbytes in procs.items():
+                    out.setdefault(pid, {})[gpu] = nbytes
+            return out
+
+    def persistence_mode(self, gpu: int) -> bool | None:
+        """Whether ``gpu`` is in persistence mode (``nvidia-smi -pm 1``); None when NVML cannot tell.
+
+        Raises ``BackendUnavailable`` when NVML is not open, ``UnknownDevice`` for a GPU it
+        does not have.
+        """
+        with self._lock:
+            lib, device = self._device(gpu)
+            try:
+                return bool(lib.nvmlDeviceGetPersistenceMode(device.handle) == lib.NVML_FEATURE_ENABLED)
+            except lib.NVMLError as exc:
+                log.debug("NVML cannot read the persistence mode of GPU %d: %s", gpu, exc)
+                return None
 
     def _open_lib(self) -> ModuleType:
         if self._lib is None:
@@ -383,13 +490,12 @@ class Nvml:
         return f"<Nvml {self.state.value} gpus={sorted(self._devices)} driver={self.driver_version or '?'}>"
 
 
-def _by_pid(infos: Any) -> dict[int, int]:
-    out: dict[int, int] = {}
+def _by_pid(infos: Any) -> dict[int, list[int | None]]:
+    """pid -> its entries' bytes (None: not reported). Under MIG one process may be listed once per instance."""
+    out: dict[int, list[int | None]] = {}
     for p in infos:
         used = p.usedGpuMemory
-        nbytes = 0 if used is None or used == _NOT_AVAILABLE else int(used)
-        # Under MIG one process may be listed once per instance: add them up.
-        out[int(p.pid)] = out.get(int(p.pid), 0) + nbytes
+        out.setdefault(int(p.pid), []).append(None if used is None or used == _NOT_AVAILABLE else int(used))
     return out
 
 

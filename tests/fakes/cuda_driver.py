@@ -11,8 +11,13 @@ and collecting the tests that use it never needs cuda-python:
 
 - each PID is a state machine with the real API's transitions (``_TRANSITIONS``);
   a call in the wrong state returns ``CUDA_ERROR_ILLEGAL_STATE`` and changes nothing;
-- a PID that is not a CUDA process, or has exited, returns ``CUDA_ERROR_INVALID_VALUE``;
+- a PID that has exited, or never existed, returns ``CUDA_ERROR_INVALID_VALUE``; a live
+  process that has not initialised CUDA returns ``CUDA_ERROR_NOT_INITIALIZED``
+  (``no_cuda_result`` picks the other answer, which some drivers may give);
 - every checkpoint call before ``init()`` returns ``CUDA_ERROR_NOT_INITIALIZED``;
+- ``init()`` reads ``CUDA_VISIBLE_DEVICES`` (from ``environ``, empty unless given) once, as ``cuInit`` does, and
+  ``devices()`` then lists the UUIDs it leaves visible (indices and ``GPU-`` UUID prefixes;
+  the first entry that names no GPU ends the list);
 - a lock waits for the process's submitted GPU work (``busy``) up to its timeout,
   then returns ``lock_timeout_result`` and leaves the process running;
 - a PID's device memory sits in a ``FakeGpuMemory`` while it runs or is locked and
@@ -21,7 +26,16 @@ and collecting the tests that use it never needs cuda-python:
   like the real driver, leaves a process that later restores refuse
   (``CUDA_ERROR_OPERATING_SYSTEM``).
 
-Tests inject failures (``fail``), delays (``delay``), hangs (``hang``) and a
+``FakeGpuMemory`` is NVML's view of the same GPUs: ``used_bytes`` counts the driver's
+own ``reserved`` memory as NVML's ``used`` does; the process lists carry NVML's PIDs,
+which are the host's: with ``pid_offset`` the daemon is in a container whose PID ``p``
+is host PID ``p + pid_offset``; ``unreported`` PIDs are listed with their usage not
+available (None, as pynvml gives NVML_VALUE_NOT_AVAILABLE); ``outsider`` adds a process
+of another container, which the daemon cannot see at all; ``broken`` GPUs fail their
+memory queries as :class:`timesliced.nvml.Nvml` does (``BackendError``).
+
+Tests inject failures (``fail``), delays (``delay``), hangs (``hang``), an action that
+runs inside a call (``during``: another process allocating while a checkpoint runs) and a
 rendezvous that only parallel calls can pass (``rendezvous``), and read the call
 log (``calls``, ``events``) to check parallelism and ordering. The fake also
 owns a process table (``descendants``, ``alive``) for the backend to read.
@@ -32,9 +46,11 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from timesliced import errors
 
 
 class StandInCUresult(enum.IntEnum):
@@ -93,32 +109,71 @@ _TRANSITIONS: dict[str, tuple[CUprocessState, CUprocessState]] = {
 _HANG_LIMIT = 60.0  # a forgotten hang() ends here rather than wedging the test run
 
 
-class FakeGpuMemory:
-    """``GpuMemory`` over made-up GPUs: capacity per GPU, bytes per process."""
+def gpu_uuid(index: int) -> str:
+    """The fixed UUID of fake GPU ``index``, as NVML spells it (the NVML fake uses the same)."""
+    return f"GPU-{index:08x}-0000-4000-8000-{index:012x}"
 
-    def __init__(self, capacity: dict[int, int]) -> None:
+
+class FakeGpuMemory:
+    """NVML's view of made-up GPUs: capacity per GPU, bytes per process (see the module docstring)."""
+
+    def __init__(
+        self,
+        capacity: dict[int, int],
+        *,
+        reserved: dict[int, int] | None = None,
+        pid_offset: int = 0,
+        unreported: Iterable[int] = (),
+    ) -> None:
         self.capacity = dict(capacity)
-        self._used: dict[int, dict[int, int]] = {}
+        self.reserved = dict(reserved or {})  # gpu -> bytes the driver keeps for itself
+        self.pid_offset = pid_offset  # NVML's PID of the daemon's PID p is p + pid_offset
+        self.unreported = set(unreported)  # daemon PIDs whose usage NVML lists as not available
+        self._used: dict[int, dict[int, int]] = {}  # daemon PID -> gpu -> bytes
+        self._outsiders: dict[int, dict[int, int]] = {}  # host PID -> gpu -> bytes, invisible to the daemon
+        self.broken: set[int] = set()  # GPUs whose memory queries fail, as Nvml's do (BackendError)
         self._lock = threading.Lock()
-        self.queries = 0  # process_memory() and free_bytes() calls
+        self.queries = 0  # calls of the GpuMemory methods
+
+    def _query(self, gpu: int) -> None:
+        self.queries += 1
+        if gpu in self.broken:
+            raise errors.BackendError(f"NVML could not read the memory of GPU {gpu}: GPU is lost", gpu=gpu)
+
+    def _in_use(self, gpu: int) -> int:
+        everyone = [*self._used.values(), *self._outsiders.values()]
+        return self.reserved.get(gpu, 0) + sum(per_gpu.get(gpu, 0) for per_gpu in everyone)
 
     def free_bytes(self, gpu: int) -> int:
         with self._lock:
-            self.queries += 1
-            return self.capacity[gpu] - sum(per_gpu.get(gpu, 0) for per_gpu in self._used.values())
+            self._query(gpu)
+            return self.capacity[gpu] - self._in_use(gpu)
+
+    def used_bytes(self, gpu: int) -> int:
+        with self._lock:
+            self._query(gpu)
+            return self._in_use(gpu)
 
     def process_memory(self) -> dict[int, dict[int, int]]:
+        return {pid: {g: n or 0 for g, n in per.items()} for pid, per in self.process_memory_reported().items()}
+
+    def process_memory_reported(self) -> dict[int, dict[int, int | None]]:
         with self._lock:
             self.queries += 1
-            return {pid: dict(per_gpu) for pid, per_gpu in self._used.items() if per_gpu}
+            out: dict[int, dict[int, int | None]] = {}
+            for pid, per_gpu in self._used.items():
+                if per_gpu:
+                    hidden = pid in self.unreported
+                    out[pid + self.pid_offset] = {g: None if hidden else n for g, n in per_gpu.items()}
+            for host_pid, per_gpu in self._outsiders.items():
+                out[host_pid] = dict(per_gpu)
+            return out
 
     def take(self, pid: int, per_gpu: dict[int, int]) -> bool:
         """Give ``pid`` these bytes if every GPU has room; False (and nothing taken) otherwise."""
         with self._lock:
-            for gpu, n in per_gpu.items():
-                used = sum(p.get(gpu, 0) for p in self._used.values())
-                if used + n > self.capacity[gpu]:
-                    return False
+            if any(self._in_use(gpu) + n > self.capacity[gpu] for gpu, n in per_gpu.items()):
+                return False
             mine = self._used.setdefault(pid, {})
             for gpu, n in per_gpu.items():
                 mine[gpu] = mine.get(gpu, 0) + n
@@ -132,6 +187,37 @@ class FakeGpuMemory:
     def held(self, pid: int) -> dict[int, int]:
         with self._lock:
             return dict(self._used.get(pid, {}))
+
+    def outsider(self, host_pid: int, per_gpu: dict[int, int]) -> None:
+        """A process of another PID namespace (NVML lists it under ``host_pid``) takes memory, or frees it ({})."""
+        with self._lock:
+            if per_gpu:
+                self._outsiders[host_pid] = dict(per_gpu)
+            else:
+                self._outsiders.pop(host_pid, None)
+
+
+def visible_devices(uuids: list[str], value: str | None) -> list[str]:
+    """The GPUs ``CUDA_VISIBLE_DEVICES=value`` leaves visible, in its order (CUDA's rules, as far as the fake goes).
+
+    Unset: all. Entries are indices or ``GPU-`` UUIDs (a unique prefix is enough); the first
+    entry that names no GPU, or names one again, ends the list, so ``""`` leaves none.
+    """
+    if value is None:
+        return list(uuids)
+    seen: list[str] = []
+    for entry in value.split(","):
+        entry = entry.strip()
+        if entry.isdigit():
+            found = [uuids[int(entry)]] if int(entry) < len(uuids) else []
+        elif entry.startswith("GPU-"):
+            found = [u for u in uuids if u.startswith(entry)]
+        else:
+            found = []
+        if len(found) != 1 or found[0] in seen:
+            break
+        seen.append(found[0])
+    return seen
 
 
 @dataclass
@@ -160,6 +246,7 @@ class _Fault:
     seconds: float = 0.0  # sleep first
     release: threading.Event | None = None  # wait for this first
     barrier: threading.Barrier | None = None  # wait here with the other parallel calls first
+    action: Callable[[], None] | None = None  # run this first
     times: int = 1  # how many calls it applies to; -1 = all
 
 
@@ -175,8 +262,16 @@ class FakeCheckpointDriver:
         bindings_cuda_version: int = 13000,
         init_result: CUresult = CUresult.CUDA_SUCCESS,
         lock_timeout_result: CUresult = CUresult.CUDA_ERROR_TIMEOUT,
+        no_cuda_result: CUresult = CUresult.CUDA_ERROR_NOT_INITIALIZED,
+        gpu_uuids: list[str] | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         self.memory = memory
+        self.no_cuda_result = no_cuda_result  # a live process without CUDA state answers this
+        self.gpu_uuids = gpu_uuids if gpu_uuids is not None else [gpu_uuid(i) for i in sorted(memory.capacity)]
+        self.environ = environ if environ is not None else {}  # pass os.environ to read this process's
+        self.visible: list[str] = []  # what init() left visible
+        self.seen_visible_devices: str | None = None  # the CUDA_VISIBLE_DEVICES init() read
         self.cuda_version = cuda_version
         self.bindings_version = bindings_version
         self.bindings_cuda_version = bindings_cuda_version
@@ -260,6 +355,11 @@ class FakeCheckpointDriver:
             self._faults.append(_Fault(op, pid, release=release, times=times))
         return release
 
+    def during(self, op: str, pid: int | None, action: Callable[[], None], *, times: int = 1) -> None:
+        """The next ``times`` calls of ``op`` on ``pid`` (None: any) run ``action`` first, then proceed."""
+        with self._lock:
+            self._faults.append(_Fault(op, pid, action=action, times=times))
+
     def rendezvous(self, op: str, parties: int, *, timeout: float = 10.0) -> None:
         """The next ``parties`` calls of ``op`` each wait until all of them have started.
 
@@ -281,12 +381,20 @@ class FakeCheckpointDriver:
 
     def init(self) -> CUresult:
         self.init_calls += 1
-        if self.init_result == CUresult.CUDA_SUCCESS:
+        if self.init_result == CUresult.CUDA_SUCCESS and not self.initialized:
+            # cuInit reads CUDA_VISIBLE_DEVICES once; later changes do not matter to this process.
+            self.seen_visible_devices = self.environ.get("CUDA_VISIBLE_DEVICES")
+            self.visible = visible_devices(self.gpu_uuids, self.seen_visible_devices)
             self.initialized = True
         return self.init_result
 
     def driver_version(self) -> tuple[CUresult, int]:
         return CUresult.CUDA_SUCCESS, self.cuda_version
+
+    def devices(self) -> tuple[CUresult, list[str]]:
+        if not self.initialized:
+            return CUresult.CUDA_ERROR_NOT_INITIALIZED, []
+        return CUresult.CUDA_SUCCESS, list(self.visible)
 
     def lock(self, pid: int, timeout_ms: int) -> CUresult:
         return self._do("lock", pid, timeout_ms)
@@ -302,12 +410,18 @@ class FakeCheckpointDriver:
 
     def get_state(self, pid: int) -> tuple[CUresult, CUprocessState | None]:
         self._event("start", "get_state", pid)
+        injected = self._inject("get_state", pid)
+        if injected is not None:
+            self._log("get_state", pid, injected)
+            return injected, None
         with self._lock:
             proc = self._procs.get(pid)
             if not self.initialized:
                 answer: tuple[CUresult, CUprocessState | None] = (CUresult.CUDA_ERROR_NOT_INITIALIZED, None)
-            elif proc is None or not proc.cuda:
+            elif proc is None:
                 answer = (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+            elif not proc.cuda:
+                answer = (self.no_cuda_result, None)
             else:
                 answer = (CUresult.CUDA_SUCCESS, proc.state)
         self._log("get_state", pid, answer[0])
@@ -329,6 +443,8 @@ class FakeCheckpointDriver:
                 fault.times -= 1
         if fault is None:
             return None
+        if fault.action is not None:
+            fault.action()
         if fault.barrier is not None:
             try:
                 fault.barrier.wait()
@@ -347,8 +463,10 @@ class FakeCheckpointDriver:
             if not self.initialized:
                 return CUresult.CUDA_ERROR_NOT_INITIALIZED
             proc = self._procs.get(pid)
-            if proc is None or not proc.cuda:
+            if proc is None:
                 return CUresult.CUDA_ERROR_INVALID_VALUE
+            if not proc.cuda:
+                return self.no_cuda_result
             need, leave = _TRANSITIONS[op]
             if proc.state != need:
                 return CUresult.CUDA_ERROR_ILLEGAL_STATE

@@ -28,7 +28,7 @@ GiB = 1 << 30
 NOT_AVAILABLE = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
 
 # Query names usable in FakeGpu.fail.
-QUERIES = ("handle", "name", "uuid", "memory", "utilization", "processes")
+QUERIES = ("handle", "name", "uuid", "memory", "utilization", "processes", "persistence")
 
 
 def nvml_error(code: int) -> Exception:
@@ -48,6 +48,7 @@ class FakeGpu:
     util_gpu: int = 0
     util_memory: int = 0
     processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes); None: not reported
+    persistence: bool = False  # persistence mode (nvidia-smi -pm 1)
     fail: dict[str, int] = field(default_factory=dict)  # query (see QUERIES) -> NVML_ERROR_* code it raises
 
 
@@ -91,6 +92,7 @@ class FakeNvml:
             "nvmlDeviceGetUUID",
             "nvmlDeviceGetMemoryInfo",
             "nvmlDeviceGetUtilizationRates",
+            "nvmlDeviceGetPersistenceMode",
             "nvmlDeviceGetComputeRunningProcesses",
             "nvmlDeviceGetComputeRunningProcesses_v2",
             "nvmlDeviceGetComputeRunningProcesses_v3",
@@ -166,6 +168,11 @@ class FakeNvml:
         util = pynvml.c_nvmlUtilization_t()
         util.gpu, util.memory = gpu.util_gpu, gpu.util_memory
         return util
+
+    def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
+        # pynvml returns the nvmlEnableState_t value: NVML_FEATURE_ENABLED (1) or NVML_FEATURE_DISABLED (0).
+        gpu = self._gpu(handle, "persistence", "nvmlDeviceGetPersistenceMode")
+        return pynvml.NVML_FEATURE_ENABLED if gpu.persistence else pynvml.NVML_FEATURE_DISABLED
 
     def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: Any) -> list[Any]:
         return self._processes(handle, "v3")

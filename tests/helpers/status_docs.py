@@ -26,7 +26,25 @@ def counters(accepted: int = 0, **more: int) -> schema.Counters:
 
 
 def parking(default: str = "sim") -> schema.Parking:
-    return {"default": default, "why": "--backend", "device_source": "sim", "methods": {default: "available"}}
+    return {
+        "default": default,
+        "why": "--backend",
+        "device_source": "sim",
+        "methods": {default: "available"},
+        "checkpoint": None,
+    }
+
+
+def checkpoint_probe(footprints: str = "gpu-delta") -> schema.CheckpointProbe:
+    """A cuda-checkpoint node in a container: NVML's PIDs are not the daemon's."""
+    return {
+        "footprints": footprints,
+        "footprints_why": "the daemon is in PID namespace 4026532512, not the host's (4026531836)",
+        "bindings": "13.4.4",
+        "cuda": "13.0",
+        "restore_gpus": {"0": "driver", "1": "persistence"},
+        "cleared_env": {"CUDA_VISIBLE_DEVICES": "0"},
+    }
 
 
 def cluster(node: str) -> schema.Cluster:
@@ -173,7 +191,7 @@ def dashboard_status() -> dict[str, Any]:
         "version": "0.1.0",
         "pid": 1234,
         "backend": "sim",
-        "parking": {"default": "sim", "why": "--backend", "device_source": "sim", "methods": {"sim": "available"}},
+        "parking": parking(),
         "addresses": ["/tmp/x.sock"],
         "uptime_s": 75.0,
         "connections": 3,

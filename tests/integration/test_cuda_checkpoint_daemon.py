@@ -19,11 +19,12 @@ import pytest
 import timesliced
 from timesliced import errors
 from timesliced.backends.base import DeviceInfo
-from timesliced.backends.cuda_checkpoint import CudaCheckpointBackend
+from timesliced.backends.cuda_checkpoint import GPU_DELTA, PER_PROCESS, CudaCheckpointBackend
 from timesliced.backends.offload import Direct, OffloadBackend
 from timesliced.config import DaemonConfig
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.daemon.parking import Parking
+from timesliced.wire import status as schema
 
 from ..fakes.cuda_driver import CHECKPOINTED, RUNNING, FakeCheckpointDriver, FakeGpuMemory
 from ..helpers.processes import wait_for
@@ -32,19 +33,30 @@ GiB = 1 << 30
 
 
 class Node:
-    """One fake GPU of 16 GiB and a daemon whose default method is cuda-checkpoint."""
+    """One fake GPU (16 GiB by default) and a daemon whose default method is cuda-checkpoint."""
 
-    def __init__(self) -> None:
-        self.memory = FakeGpuMemory({0: 16 * GiB})
+    def __init__(self, memory: FakeGpuMemory | None = None, *, footprints: str = PER_PROCESS) -> None:
+        self.memory = memory or FakeGpuMemory({0: 16 * GiB})
         self.driver = FakeCheckpointDriver(self.memory)
         self.driver.init()
+        self.footprints = footprints
         self.procs: list[subprocess.Popen[bytes]] = []
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
 
     def parking(self, direct: Direct) -> Parking:
         # The process tree comes from the fake too: here every job process is a child of the
         # test process, which also registers (as the client) for every job.
         backend = CudaCheckpointBackend(
-            self.driver, self.memory, lock_timeout=1.0, restore_margin=0, descendants=self.driver.descendants
+            self.driver,
+            self.memory,
+            lock_timeout=1.0,
+            restore_margin=0,
+            footprints=self.footprints,
+            descendants=self.driver.descendants,
         )
         return Parking(
             "cuda-checkpoint",
@@ -66,9 +78,7 @@ class Node:
 def node() -> Iterator[Node]:
     n = Node()
     yield n
-    for p in n.procs:
-        p.kill()
-        p.wait()
+    n.close()
 
 
 def job(daemon: EmbeddedDaemon, name: str, pid: int) -> timesliced.Client:
@@ -153,3 +163,25 @@ def test_a_restarted_daemon_takes_up_checkpointed_and_running_jobs(node: Node, t
         a.close()
         b.close()
         d.stop()
+
+
+def test_a_daemon_in_a_container_parks_by_the_driver_and_weighs_by_the_gpu() -> None:
+    # NVML reports host PIDs (here: ours + 40000), and another container's process has host PID
+    # equal to one of our jobs' PIDs: only the driver's answer and the GPU's drop are trusted.
+    memory = FakeGpuMemory({0: 16 * GiB}, reserved={0: 400 << 20}, pid_offset=40_000)
+    n = Node(memory, footprints=GPU_DELTA)
+    try:
+        pa, pb = n.process(6), n.process(5)
+        memory.outsider(pa, {0: 1 * GiB})
+        with EmbeddedDaemon(gpus=1, parking=n.parking) as d, job(d, "a", pa) as a, job(d, "b", pb) as b:
+            a.acquire()  # b is parked to make room
+            assert n.driver.state(pb) == CHECKPOINTED and n.driver.state(pa) == RUNNING
+            a.release()
+            grant = b.acquire(timeout=10)
+            assert grant.restored and n.driver.state(pa) == CHECKPOINTED and n.driver.state(pb) == RUNNING
+            doc = b.status()
+            assert schema.problems(doc) == []
+            assert doc["parking"]["checkpoint"]["footprints"] == "gpu-delta"
+            assert status_of(b, "a")["measured"] == {"0": 6 * GiB}  # the outsider's 1 GiB is not a's
+    finally:
+        n.close()

@@ -34,6 +34,9 @@ print("ok")
 # Every test module that imports the fake, or that needs cuda-python's own types.
 USERS = (
     "tests/unit/test_cuda_checkpoint.py",
+    "tests/unit/test_cuda_checkpoint_footprints.py",
+    "tests/unit/test_cuda_bindings.py",
+    "tests/unit/test_parking.py",
     "tests/integration/test_cuda_driver_fake.py",
     "tests/unit/test_offload_client.py",
     "tests/integration/test_cuda_checkpoint_daemon.py",
@@ -73,3 +76,5 @@ def test_its_users_are_collected_without_cuda_python() -> None:
     # Only the module that checks the seam against the bindings' own types skips, and says why.
     assert "cuda-python is not installed: these tests check the seam" in done.stdout
     assert "tests/integration/test_cuda_checkpoint_daemon.py::" in done.stdout
+    assert "tests/unit/test_cuda_checkpoint_footprints.py::" in done.stdout
+    assert "tests/unit/test_cuda_bindings.py::" in done.stdout

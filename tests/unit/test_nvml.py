@@ -5,13 +5,14 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+from typing import Any
 
 import pytest
 
 from tests.fakes.nvml import FakeGpu, FakeNvml, GiB, pynvml
 from timesliced import errors
 from timesliced.backends.base import DeviceInfo, GpuMemory
-from timesliced.nvml import GpuSample, Nvml, NvmlState
+from timesliced.nvml import PROC_PID_INIT_INO, GpuSample, Nvml, NvmlState, pid_view
 
 
 @pytest.fixture
@@ -227,11 +228,21 @@ def test_unreported_process_memory_counts_zero(monkeypatch: pytest.MonkeyPatch, 
         assert nvml.process_memory() == {7: {0: 0}, 8: {0: 5 * GiB}}
 
 
+@pytest.mark.parametrize("raw", [False, True])
+def test_unreported_process_memory_is_told_apart_from_none(monkeypatch: pytest.MonkeyPatch, raw: bool) -> None:
+    # Listed with NVML_VALUE_NOT_AVAILABLE: the process holds a context, its size unknown.
+    gpus = [FakeGpu(processes=[(7, None), (8, 5 * GiB)]), FakeGpu(processes=[(7, 2 * GiB)])]
+    FakeNvml(gpus, raw_not_available=raw).install(monkeypatch)
+    with Nvml.open() as nvml:
+        assert nvml.process_memory_reported() == {7: {0: None, 1: 2 * GiB}, 8: {0: 5 * GiB}}
+
+
 def test_a_process_listed_twice_on_one_gpu_is_summed(monkeypatch: pytest.MonkeyPatch) -> None:
     # Under MIG, one process may appear once per GPU instance.
-    FakeNvml([FakeGpu(processes=[(7, 1 * GiB), (7, 2 * GiB)])]).install(monkeypatch)
+    FakeNvml([FakeGpu(processes=[(7, 1 * GiB), (7, 2 * GiB), (9, 1 * GiB), (9, None)])]).install(monkeypatch)
     with Nvml.open() as nvml:
-        assert nvml.sample()[0].processes == {7: 3 * GiB}
+        assert nvml.sample()[0].processes == {7: 3 * GiB, 9: 1 * GiB}
+        assert nvml.process_memory_reported() == {7: {0: 3 * GiB}, 9: {0: None}}  # one unknown part: unknown
 
 
 def test_one_failing_query_leaves_the_rest(fake: FakeNvml) -> None:
@@ -299,6 +310,46 @@ def test_gpu_memory_protocol(fake: FakeNvml) -> None:
             1002: {0: 10 * GiB},
             3000: {1: 1 * GiB},
         }
+
+
+def test_what_cuda_checkpoint_reads(fake: FakeNvml) -> None:
+    fake.gpus[0].persistence = True
+    with Nvml.open() as opened:
+        nvml = opened
+        assert (nvml.used_bytes(0), nvml.used_bytes(1)) == (30 * GiB, 0)
+        assert opened.persistence_mode(0) is True and opened.persistence_mode(1) is False
+        fake.gpus[1].fail["persistence"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+        assert opened.persistence_mode(1) is None
+        fake.gpus[1].fail["memory"] = pynvml.NVML_ERROR_GPU_IS_LOST
+        with pytest.raises(errors.BackendError, match="memory of GPU 1: GPU is lost"):
+            nvml.used_bytes(1)
+        with pytest.raises(errors.UnknownDevice):
+            opened.persistence_mode(5)
+
+
+@pytest.mark.parametrize(
+    ("link", "shared", "words"),
+    [
+        (f"pid:[{PROC_PID_INIT_INO}]", True, "host's PID namespace"),
+        ("pid:[4026532512]", False, "PID namespace 4026532512, not the host's"),
+        ("pid:[garbage]", None, "unexpected"),
+        (OSError(13, "Permission denied"), None, "Permission denied"),
+    ],
+)
+def test_pid_view_compares_the_pid_namespace_with_the_hosts(link: Any, shared: bool | None, words: str) -> None:
+    def readlink(path: str) -> str:
+        assert path == "/proc/self/ns/pid"
+        if isinstance(link, OSError):
+            raise link
+        return str(link)
+
+    view = pid_view(readlink)
+    assert view.shared is shared and words in view.why
+
+
+def test_pid_view_here_answers_without_raising() -> None:
+    view = pid_view()
+    assert view.shared in (True, False, None) and view.why
 
 
 def test_gpu_memory_errors(fake: FakeNvml) -> None:

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from timesliced import errors
+from timesliced import errors, nvml
 from timesliced.backends import cuda_checkpoint
 from timesliced.config import DaemonConfig
 from timesliced.daemon.parking import Parking, open_parking
 from timesliced.env import default_sim_dir
+from timesliced.wire import status as schema
 
+from ..fakes.cuda_driver import FakeCheckpointDriver, FakeGpuMemory
 from ..fakes.nvml import FakeGpu, FakeNvml
+from ..helpers import status_docs
 
 GiB = 1 << 30
 
@@ -134,3 +138,78 @@ def test_offload_on_real_gpus(opened: Opened, monkeypatch: pytest.MonkeyPatch) -
 def test_an_unknown_backend(opened: Opened) -> None:
     with pytest.raises(errors.BackendUnavailable, match="unknown backend 'teleport'"):
         opened("teleport")
+
+
+# --- the cuda-checkpoint probe, through NVML and the driver seam ---------------------------------
+
+
+@pytest.fixture
+def linux(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("platform.system", lambda: "Linux")
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+
+
+def fake_driver(monkeypatch: pytest.MonkeyPatch, gpus: int = 2) -> FakeCheckpointDriver:
+    """The driver seam the probe builds, as a fake over ``gpus`` GPUs whose UUIDs are the NVML fake's."""
+    memory = FakeGpuMemory({i: 80 * GiB for i in range(gpus)})
+    driver = FakeCheckpointDriver(memory, cuda_version=13000, environ=os.environ)
+    monkeypatch.setattr(cuda_checkpoint, "CudaDriver", lambda: driver)
+    return driver
+
+
+def test_a_sim_node_describes_no_checkpoint_probe(opened: Opened) -> None:
+    assert opened("sim").describe()["checkpoint"] is None
+
+
+@pytest.mark.usefixtures("linux")
+def test_a_container_node_parks_whole_processes_and_says_how_it_weighs_them(
+    opened: Opened, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    FakeNvml([FakeGpu(), FakeGpu(persistence=True)], driver="580.65.06", cuda=13000).install(monkeypatch)
+    driver = fake_driver(monkeypatch)
+    monkeypatch.setattr(nvml, "pid_view", lambda: nvml.PidView(False, "the daemon is in PID namespace 4026532512"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # inherited from whoever started the daemon
+
+    p = opened("auto")
+
+    assert (p.default, p.device_source) == ("cuda-checkpoint", "nvml")
+    assert driver.initialized and driver.seen_visible_devices is None  # cuInit saw every GPU
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    doc = p.describe()
+    assert schema.problems(doc, schema.Parking) == []
+    checkpoint = doc["checkpoint"]
+    assert checkpoint is not None
+    assert checkpoint["footprints"] == "gpu-delta"
+    assert checkpoint["footprints_why"].startswith("the daemon is in PID namespace 4026532512")
+    assert checkpoint["restore_gpus"] == {"0": "driver", "1": "driver"}
+    assert checkpoint["cleared_env"] == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert (checkpoint["bindings"], checkpoint["cuda"]) == ("13.0.2", "13.0")
+
+
+@pytest.mark.usefixtures("linux")
+def test_a_host_node_weighs_by_nvmls_per_process_figures(opened: Opened, monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeNvml([FakeGpu()], driver="580.65.06", cuda=13000).install(monkeypatch)
+    fake_driver(monkeypatch, gpus=1)
+    monkeypatch.setattr(nvml, "pid_view", lambda: nvml.PidView(True, "the daemon is in the host's PID namespace"))
+    checkpoint = opened("cuda-checkpoint").describe()["checkpoint"]
+    assert checkpoint is not None and checkpoint["footprints"] == "per-process"
+
+
+@pytest.mark.usefixtures("linux")
+def test_a_gpu_the_daemons_driver_cannot_reach_keeps_cuda_checkpoint_off(
+    opened: Opened, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    FakeNvml([FakeGpu(), FakeGpu()], driver="580.65.06", cuda=13000).install(monkeypatch)
+    driver = fake_driver(monkeypatch)
+    driver.gpu_uuids = driver.gpu_uuids[1:]  # GPU 0's device node is not in the daemon's container
+    p = opened("auto")
+    assert p.default == "sim" and "does not see GPU 0" in p.why
+    with pytest.raises(errors.BackendUnavailable, match=r"does not see GPU 0.*persistence mode"):
+        opened("cuda-checkpoint")
+
+
+def test_the_checkpoint_builder_holds_to_the_schema() -> None:
+    doc = {**status_docs.parking("cuda-checkpoint"), "checkpoint": status_docs.checkpoint_probe()}
+    assert schema.problems(doc, schema.Parking) == []
+    doc["checkpoint"]["restore_gpus"] = {"0": 1}
+    assert schema.problems(doc, schema.Parking) == ["status.checkpoint.restore_gpus['0']: expected str, got int"]

@@ -6,7 +6,9 @@ name its own at registration:
 - ``sim``: simulated GPUs (no driver needed); jobs may also use ``offload``,
   ``vllm`` and ``sglang`` against them (their memory lives elsewhere).
 - ``cuda-checkpoint``: real GPUs from NVML; needs a driver with the checkpoint
-  API, checked at start with a clear error.
+  API and fitting cuda-bindings, checked at start with a clear error. The probe
+  initialises the daemon's CUDA driver without an inherited ``CUDA_VISIBLE_DEVICES``
+  and decides how footprints are measured (``status``: ``parking.checkpoint``).
 - ``offload`` / ``vllm`` / ``sglang``: real GPUs from NVML where there is a
   driver, else simulated GPUs stand in for scheduling (a laptop, CI).
 - ``auto``: ``cuda-checkpoint`` where the driver supports it, else ``sim``;
@@ -55,11 +57,13 @@ class Parking:
         return found
 
     def describe(self) -> status.Parking:
+        checkpoint = getattr(self.backends.get("cuda-checkpoint"), "describe", None)
         return {
             "default": self.default,
             "why": self.why,
             "device_source": self.device_source,
             "methods": {m: "available" if m in self.backends else self.unavailable.get(m, "") for m in METHODS},
+            "checkpoint": checkpoint() if callable(checkpoint) else None,
         }
 
     def sim_or_raise(self) -> SimBackend:

@@ -243,11 +243,23 @@ class Moves(TypedDict):
     jobs: dict[str, JobMoves]
 
 
+class CheckpointProbe(TypedDict):
+    """How the cuda-checkpoint method works on this node (the probe's findings at start)."""
+
+    footprints: str  # per-process (NVML's per-process figures) | gpu-delta (each GPU's used-memory change)
+    footprints_why: str  # why: whether NVML sees the daemon's PIDs
+    bindings: str  # the cuda-bindings version
+    cuda: str | None  # the CUDA version the driver supports, e.g. "13.0"
+    restore_gpus: dict[str, str]  # GPU index -> how restores reach it: driver (the daemon's cuInit) | persistence
+    cleared_env: dict[str, str]  # variables taken away for the daemon's cuInit (CUDA_VISIBLE_DEVICES), and their values
+
+
 class Parking(TypedDict):
     default: str
     why: str
     device_source: str  # nvml | sim
     methods: dict[str, str]  # method -> "available" or why not
+    checkpoint: CheckpointProbe | None  # the cuda-checkpoint method's findings, where it is available
 
 
 class Counters(TypedDict):
