@@ -11,7 +11,9 @@ driver does for a process with that environment:
   ``PCI_BUS_ID`` orders by PCI bus id;
 - ``CUDA_VISIBLE_DEVICES``: unset, every GPU; empty, none (``cuInit`` returns
   ``CUDA_ERROR_NO_DEVICE``); else a comma-separated list enumerated in its own
-  order, of indices (into the order above), ``GPU-`` UUID prefixes that name
+  order, of indices (into the order above: the long-standing behaviour; the
+  CUDA 13 guide words them as nvidia-smi's indices, and the code under test
+  never reads the variable either way), ``GPU-`` UUID prefixes that name
   one GPU, or ``MIG-`` UUIDs of MIG instances. The first entry that names no
   device ends the list; a device named twice hides every device.
 
