@@ -314,3 +314,27 @@ def test_an_offloaded_job_is_restored_after_a_daemon_restart(daemon: EmbeddedDae
         a.close()
         b.close()
         restarted.stop()
+
+
+def test_footprints_reach_the_daemon_in_the_nodes_gpu_numbers(daemon: EmbeddedDaemon) -> None:
+    """A job whose only device is the node's GPU 1 (as under CUDA_VISIBLE_DEVICES=1) reports GPU 1, not 0."""
+    from timesliced.client.gpus import GpuNumbering
+    from timesliced.client.offload import HostDeviceMemory, Offloader
+
+    memory = HostDeviceMemory(gpus=1, granularity=1 << 16, numbering=GpuNumbering((1,)))
+    off = Offloader(memory)
+    region = off.alloc(3 << 16, tag="weights")
+    region.write(b"w" * region.nbytes)
+    assert region.gpu == 0 and region.node_gpu == 1
+    with (
+        offload_client(daemon, "a", off, gpus=[1]) as a,
+        offload_client(daemon, "b", Recorder(), gpus=[1]) as b,
+    ):
+        assert b.acquire(timeout=10).job == "b"  # a is parked to make room: its executor reports what it moved
+        assert not region.resident
+        st = job_status(b, "a")
+        assert st["location"] == "parked" and st["measured"] == {"1": 3 << 16}
+        b.release()
+        a.acquire(timeout=10)
+        assert region.resident and region.read() == b"w" * region.nbytes
+        a.release()

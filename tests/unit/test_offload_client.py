@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from timesliced import errors
+from timesliced.client.gpus import GpuNumbering, uuid_text
 from timesliced.client.offload import CombinedOffload, MoveStats, Offloader, Region, execute
 from timesliced.client.offload.address_space import AddressSpace
 from timesliced.client.offload.cuda_device_memory import CudaDeviceMemory, check_result
@@ -697,9 +698,13 @@ class FakeDriver:
     count fails here as it would on a GPU.
     """
 
-    def __init__(self, real: Any, granularity: int = G) -> None:
+    def __init__(self, real: Any, granularity: int = G, gpus: int = 2) -> None:
         self.real = real
         self.granularity = granularity
+        self.uuids = [bytes([0x5A, ordinal, *range(14)]) for ordinal in range(gpus)]  # one per CUDA ordinal
+        self._uuid_buffers: list[Any] = []
+        if hasattr(real, "cuDeviceGetUuid_v2"):  # cuda-python 12.x: the MIG-aware call is the _v2 one
+            self.cuDeviceGetUuid_v2 = self.cuDeviceGetUuid
         self.calls: list[str] = []
         self.fail: dict[str, Any] = {}  # call -> CUresult to return once
         self.handles: dict[int, bytearray] = {}
@@ -734,6 +739,17 @@ class FakeDriver:
 
     def cuDeviceGet(self, ordinal: int) -> Any:
         return self._enter("cuDeviceGet", ordinal) or self._ok(self.real.CUdevice(ordinal))
+
+    def cuDeviceGetCount(self) -> Any:
+        return self._enter("cuDeviceGetCount") or self._ok(len(self.uuids))
+
+    def cuDeviceGetUuid(self, dev: Any) -> Any:
+        r = self._enter("cuDeviceGetUuid", dev)
+        if r:
+            return r
+        buf = ctypes.create_string_buffer(self.uuids[int(dev)], 16)
+        self._uuid_buffers.append(buf)  # the real CUuuid struct reads these 16 bytes
+        return self._ok(self.real.CUuuid(ctypes.addressof(buf)))
 
     def cuDevicePrimaryCtxRetain(self, dev: Any) -> Any:
         return self._enter("cuDevicePrimaryCtxRetain", dev) or self._ok(self.real.CUcontext(0x100 + int(dev)))
@@ -864,7 +880,7 @@ def driver() -> FakeDriver:
 
 
 def test_cuda_device_memory_parks_through_the_driver_api(driver: FakeDriver) -> None:
-    mem = CudaDeviceMemory(driver=driver, chunk_bytes=3000)
+    mem = CudaDeviceMemory(driver=driver, chunk_bytes=3000, numbering=GpuNumbering.identity())
     off = Offloader(mem, verify=True)
     rng = random.Random(8)
     a, b = off.alloc(10_000, tag="weights"), off.alloc(100, tag="lora", gpu=1)
@@ -898,7 +914,7 @@ def test_cuda_device_memory_parks_through_the_driver_api(driver: FakeDriver) -> 
 
 
 def test_cuda_device_memory_reports_the_failing_call_and_result(driver: FakeDriver) -> None:
-    mem = CudaDeviceMemory(driver=driver)
+    mem = CudaDeviceMemory(driver=driver, numbering=GpuNumbering.identity())
     off = Offloader(mem)
     r = off.alloc(G, tag="weights")
     off.park()
@@ -933,3 +949,45 @@ def test_cuda_device_memory_without_cuda_python_is_unavailable(monkeypatch: pyte
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", None)
     with pytest.raises(errors.BackendUnavailable, match="cuda-python"):
         CudaDeviceMemory()
+
+
+# --- GPU numbering: figures go out in the node's numbers ---------------------------------------------------
+
+
+def test_figures_are_keyed_by_the_node_gpus_of_the_memorys_devices() -> None:
+    # A process with CUDA_VISIBLE_DEVICES=3,1 sees the node's GPU 3 as device 0 and GPU 1 as device 1.
+    mem = HostDeviceMemory(gpus=2, granularity=G, numbering=GpuNumbering((3, 1)))
+    off = Offloader(mem)
+    a, b = off.alloc(G, tag="w"), off.alloc(2 * G, tag="w", gpu=1)
+    assert (a.gpu, a.node_gpu, b.gpu, b.node_gpu) == (0, 3, 1, 1)
+    assert off.footprint() == {3: G, 1: 2 * G} == off.resident()
+    stats = off.park()
+    assert stats.per_gpu == {3: G, 1: 2 * G} and stats.resident == {} and stats.footprint == {3: G, 1: 2 * G}
+    assert stats.to_wire()["footprint"] == {"1": 2 * G, "3": G}  # what offload_done carries
+    assert mem.used_bytes(0) == 0  # the memory itself still speaks its own numbers
+    off.unpark()
+    narrow = Offloader(HostDeviceMemory(gpus=2, granularity=G, numbering=GpuNumbering((3,))))
+    with pytest.raises(errors.BackendError, match="CUDA device 1 is not visible"):
+        narrow.alloc(G, tag="w", gpu=1)  # a device it cannot name is refused before anything is allocated
+    assert narrow.regions() == [] and narrow.memory.used_bytes() == 0
+
+
+def test_cuda_device_memory_names_its_devices_by_their_uuids(
+    driver: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ..fakes.nvml import FakeGpu, FakeNvml
+
+    # NVML lists the driver's device 1 first: the node's GPU 0 is CUDA device 1, and GPU 1 is device 0.
+    nvml = FakeNvml([FakeGpu(uuid=uuid_text(driver.uuids[1])), FakeGpu(uuid=uuid_text(driver.uuids[0]))])
+    nvml.install(monkeypatch)
+    mem = CudaDeviceMemory(driver=driver)  # learns the numbering from this driver and NVML, on first use
+    off = Offloader(mem)
+    a, b = off.alloc(G, tag="w"), off.alloc(3 * G, tag="w", gpu=1)
+    assert (a.node_gpu, b.node_gpu) == (1, 0) and mem.node_gpu(0) == 1
+    assert driver.calls.count("cuDeviceGetUuid") == 2 and nvml.refcount == 0
+    assert off.park().per_gpu == {1: G, 0: 3 * G}
+    with pytest.raises(errors.BackendError, match="CUDA device 2 is not visible"):
+        off.alloc(G, tag="w", gpu=2)
+    off.unpark()
+    off.close()
+    mem.close()

@@ -17,7 +17,10 @@ from ..env import TOKEN_ENV, default_socket_path, read_token
 from ..util.parse import parse_host_port
 from ..wire.messages import PROTOCOL_VERSION
 from ..wire.park import METHODS, ParkSpec
+from .gpus import node_gpus
 from .session import Unreachable
+
+VISIBLE = "visible"  # gpus=: every GPU this process's CUDA sees
 
 
 @dataclass(frozen=True)
@@ -69,10 +72,27 @@ def find_token(explicit: str | None) -> str | errors.PermissionDenied:
 
 
 def register_args(
-    job: str, group: str, gpus: list[int] | None, pids: list[int] | None, park: str | ParkSpec | None = None
+    job: str,
+    group: str,
+    gpus: list[int] | str | None,
+    pids: list[int] | None,
+    park: str | ParkSpec | None = None,
 ) -> dict[str, Any]:
+    """The ``register`` request's args.
+
+    ``gpus``: the node's GPU numbers (NVML indices, as ``nvidia-smi`` and
+    ``timesliced status`` show them; the simulated GPU's own numbers), ``None``
+    for the daemon's choice, or ``"visible"``: every GPU this process's CUDA
+    sees (``CUDA_VISIBLE_DEVICES`` applied), named by UUID as the node names
+    it (:func:`timesliced.client.gpus.node_gpus`; raises ``BackendUnavailable``
+    where CUDA or NVML cannot be asked).
+    """
     if not isinstance(job, str) or not job or not isinstance(group, str) or not group:
         raise ValueError("job and group must be non-empty strings")
+    if isinstance(gpus, str):
+        if gpus != VISIBLE:
+            raise ValueError(f"gpus must be a list of the node's GPU numbers, None or {VISIBLE!r}, got {gpus!r}")
+        gpus = node_gpus()
     args: dict[str, Any] = {"job": job, "group": group, "gpus": gpus, "pids": sorted({os.getpid(), *(pids or [])})}
     if park is not None:
         spec = ParkSpec(park) if isinstance(park, str) else park

@@ -24,7 +24,15 @@ _NOT_YET = errors.PermissionDenied("the token is read before the client connects
 
 
 class ShellBase:
-    """The constructor and the read-only view of a client; see ``Client`` for the arguments."""
+    """The constructor and the read-only view of a client; see ``Client`` for the arguments.
+
+    ``gpus``: the GPUs of the job's group as the node numbers them (NVML's
+    indices, as ``nvidia-smi`` and ``timesliced status`` show them), ``None``
+    for the daemon's choice, or ``"visible"`` for every GPU this process's
+    CUDA sees, however ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
+    number them (matched by UUID; ``timesliced.client.gpus.node_gpus`` does
+    it for chosen CUDA ordinals).
+    """
 
     _refresh_token: Callable[[], None]  # reads the token (TCP) before a connection: I/O the core does not do
 
@@ -34,7 +42,7 @@ class ShellBase:
         group: str,
         *,
         address: str | os.PathLike[str] | None = None,
-        gpus: list[int] | None = None,
+        gpus: list[int] | str | None = None,
         pids: list[int] | None = None,
         connect_timeout: float = 10.0,
         request_timeout: float = 60.0,
@@ -92,7 +100,7 @@ class ShellBase:
 
     @property
     def gpus(self) -> list[int]:
-        """The GPUs of the job's group, as the daemon registered them."""
+        """The GPUs of the job's group, as the daemon registered them (the node's numbers, not CUDA ordinals)."""
         return self._core.gpus
 
     @property

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ...errors import BackendError, BackendUnavailable
+from ...errors import BackendError, BackendUnavailable, UnknownDevice
+from ..gpus import GpuNumbering, discover
 from .address_space import AddressSpace
 from .device_memory import DEFAULT_CHUNK, HostBuffer, plan_chunks
 
@@ -52,12 +53,22 @@ class CudaDeviceMemory:
     Copies run in ``chunk_bytes`` pieces on one non-blocking stream per GPU;
     host buffers are page-locked (``cuMemHostAlloc``, portable) unless
     ``pinned=False``. ``driver`` replaces ``cuda.bindings.driver`` (tests).
+    GPUs are CUDA ordinals of this process; ``node_gpu`` names them as the
+    daemon does, through ``numbering`` (by default learned from this driver's
+    UUIDs and NVML's on first use, see :mod:`timesliced.client.gpus`).
 
     Raises ``BackendUnavailable`` when cuda-python or the driver is missing,
     and ``BackendError`` with the failing call and CUresult name otherwise.
     """
 
-    def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK, pinned: bool = True, driver: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK,
+        pinned: bool = True,
+        driver: Any = None,
+        numbering: GpuNumbering | None = None,
+    ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self._d = driver if driver is not None else _import_driver()
@@ -69,6 +80,7 @@ class CudaDeviceMemory:
             raise BackendUnavailable(f"the CUDA driver cannot be used: {exc.message}", **exc.details) from exc
         except Exception as exc:  # cuda-python raises its own error when libcuda cannot be loaded
             raise BackendUnavailable(f"the CUDA driver cannot be loaded: {exc}") from exc
+        self._numbering = numbering
         self._space = AddressSpace()
         self._contexts: dict[int, Any] = {}  # gpu -> retained primary context
         self._streams: dict[int, Any] = {}  # gpu -> copy stream
@@ -132,6 +144,15 @@ class CudaDeviceMemory:
         return next(iter(self._contexts), 0)
 
     # -- address space
+
+    def node_gpu(self, gpu: int) -> int:
+        with self._lock:
+            if self._numbering is None:
+                self._numbering = discover(driver=self._d)
+            try:
+                return self._numbering.node(gpu)
+            except UnknownDevice as exc:  # a device the driver does not have is a BackendError here, as ever
+                raise BackendError(exc.message, **exc.details) from exc
 
     def granularity(self, gpu: int) -> int:
         with self._lock:

@@ -62,12 +62,22 @@ class HostBuffer:
 class DeviceMemory(Protocol):
     """What the offload executor needs from the device (all sizes in bytes).
 
-    Addresses are plain ints. ``reserve`` / ``map`` sizes and addresses must
-    be multiples of ``granularity(gpu)``. Copies are asynchronous: they are
-    complete only after ``synchronize()``. Every method raises
-    ``BackendError`` on failure; ``read`` / ``write`` raise ``NotResident``
-    for reserved but unmapped memory.
+    Addresses are plain ints. ``gpu`` is the device as this memory numbers it
+    (a CUDA ordinal of the process for :class:`~.cuda_device_memory.CudaDeviceMemory`);
+    ``node_gpu`` names it as the daemon does. ``reserve`` / ``map`` sizes and
+    addresses must be multiples of ``granularity(gpu)``. Copies are
+    asynchronous: they are complete only after ``synchronize()``. Every method
+    raises ``BackendError`` on failure; ``read`` / ``write`` raise
+    ``NotResident`` for reserved but unmapped memory.
     """
+
+    def node_gpu(self, gpu: int) -> int:
+        """The node's number (NVML index; the daemon's) of this memory's device ``gpu``.
+
+        Raises ``BackendError`` for a device that is not there (or that cannot
+        be matched with the node's GPUs, saying why).
+        """
+        ...
 
     def granularity(self, gpu: int) -> int:
         """The size and alignment unit of ``reserve`` and ``map`` on ``gpu``."""

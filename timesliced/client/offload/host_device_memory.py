@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...errors import BackendError
+from ...errors import BackendError, UnknownDevice
+from ..gpus import GpuNumbering
 from .address_space import AddressSpace
 from .device_memory import DEFAULT_GRANULARITY, HostBuffer
 
@@ -30,7 +31,9 @@ class _Copy:
 class HostDeviceMemory:
     """Simulated device memory in host buffers (see the module docstring).
 
-    ``gpus``: how many devices; ``capacity``: bytes per device (``None``:
+    ``gpus``: how many devices; ``numbering``: how their numbers map to the
+    node's (default: the identity, as on the simulated GPU; tests give one to
+    stand in for a narrowed ``CUDA_VISIBLE_DEVICES``); ``capacity``: bytes per device (``None``:
     unlimited; mapping past it raises ``BackendError`` like the driver's out
     of memory); ``granularity``: the mapping unit; ``bandwidth``: bytes per
     second that copies are held to (``None``: unlimited), paid at
@@ -44,6 +47,7 @@ class HostDeviceMemory:
         self,
         gpus: int = 1,
         *,
+        numbering: GpuNumbering | None = None,
         capacity: int | None = None,
         granularity: int = DEFAULT_GRANULARITY,
         bandwidth: float | None = None,
@@ -58,6 +62,7 @@ class HostDeviceMemory:
         if bandwidth is not None and bandwidth < 0:
             raise ValueError(f"bandwidth must not be negative, got {bandwidth}")
         self.gpus = gpus
+        self.numbering = numbering if numbering is not None else GpuNumbering.identity()
         self.capacity = capacity
         self.bandwidth = bandwidth or None
         self._granularity = granularity
@@ -69,6 +74,13 @@ class HostDeviceMemory:
         self._lock = threading.Lock()
 
     # -- address space
+
+    def node_gpu(self, gpu: int) -> int:
+        self._check_gpu(gpu)
+        try:
+            return self.numbering.node(gpu)
+        except UnknownDevice as exc:
+            raise BackendError(exc.message, **exc.details) from exc
 
     def granularity(self, gpu: int) -> int:
         self._check_gpu(gpu)

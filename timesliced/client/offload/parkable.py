@@ -27,11 +27,13 @@ class MoveStats:
 
     ``nbytes`` were copied in ``copy_seconds`` (issue of the first copy to
     the end of the last), ``seconds`` is the whole operation (host buffer
-    allocation, unmapping, verification included). ``regions`` moved,
-    ``skipped`` were already where they were asked to go. ``per_gpu``: bytes
-    moved per GPU; ``resident``: device bytes the executor holds per GPU
-    after the operation; ``footprint``: what it holds when everything is
-    resident.
+    allocation, unmapping, verification included). ``regions`` moved
+    (regions, or torch storages), ``skipped`` were already where they were
+    asked to go. ``per_gpu``: bytes moved per GPU; ``resident``: device bytes
+    the executor holds per GPU after the operation; ``footprint``: what it
+    holds when everything is resident. GPUs are the node's numbers (NVML
+    indices, the daemon's), not the process's CUDA ordinals
+    (:mod:`timesliced.client.gpus`).
     """
 
     op: str

@@ -47,16 +47,34 @@ class Region:
 
     ``ptr`` is its device address, the same for the region's whole life;
     ``nbytes`` what was asked for; ``size`` the device memory it takes when
-    resident (``nbytes`` rounded up to the mapping granularity).
+    resident (``nbytes`` rounded up to the mapping granularity). ``gpu`` is
+    the device as the memory numbers it (a CUDA ordinal on a GPU),
+    ``node_gpu`` the same device as the daemon numbers it.
     """
 
-    __slots__ = ("_checksum", "_host", "_mapped", "_owner", "_resident", "gpu", "name", "nbytes", "ptr", "size", "tag")
+    __slots__ = (
+        "_checksum",
+        "_host",
+        "_mapped",
+        "_owner",
+        "_resident",
+        "gpu",
+        "name",
+        "nbytes",
+        "node_gpu",
+        "ptr",
+        "size",
+        "tag",
+    )
 
-    def __init__(self, owner: Offloader, name: str, tag: str, gpu: int, nbytes: int, ptr: int, size: int) -> None:
+    def __init__(
+        self, owner: Offloader, name: str, tag: str, gpu: int, nbytes: int, ptr: int, size: int, node_gpu: int
+    ) -> None:
         self._owner = owner
         self.name = name
         self.tag = tag
         self.gpu = gpu
+        self.node_gpu = node_gpu
         self.nbytes = nbytes
         self.ptr = ptr
         self.size = size
@@ -98,6 +116,10 @@ class Offloader:
     for reuse while their regions are resident (``None``: all, ``0``: free
     each one after its unpark). Thread-safe: park / unpark and region
     access are serialised.
+
+    Figures per GPU (``footprint``, ``resident``, :class:`~.parkable.MoveStats`)
+    are keyed by the node's GPU numbers, the daemon's (``Region.node_gpu``);
+    ``alloc(gpu=...)`` takes the memory's own (a CUDA ordinal on a GPU).
     """
 
     def __init__(
@@ -123,15 +145,18 @@ class Offloader:
     def alloc(self, nbytes: int, *, tag: str, gpu: int = 0, name: str | None = None) -> Region:
         """Allocate ``nbytes`` of parkable device memory on ``gpu`` under ``tag``.
 
-        The memory's contents are undefined until written. Raises
-        ``ValueError`` for a bad size, tag or a name in use, ``BackendError``
-        when the device refuses (out of memory included).
+        ``gpu`` is the memory's device number: a CUDA ordinal of this process
+        on a GPU (``CUDA_VISIBLE_DEVICES`` applied). The memory's contents are
+        undefined until written. Raises ``ValueError`` for a bad size, tag or a
+        name in use, ``BackendError`` when the device refuses (out of memory
+        included) or is not there (or cannot be named as the node does).
         """
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
         if not isinstance(tag, str) or not tag:
             raise ValueError(f"tag must be a non-empty string, got {tag!r}")
         with self._lock:
+            node_gpu = self.memory.node_gpu(gpu)  # first: a device it cannot name fails before anything changes
             if name is None:
                 n = self._counts.get(tag, 0)
                 while f"{tag}/{n}" in self._regions:
@@ -147,7 +172,7 @@ class Offloader:
             except BaseException:
                 self.memory.release_reservation(va, size)
                 raise
-            region = Region(self, name, tag, gpu, nbytes, va, size)
+            region = Region(self, name, tag, gpu, nbytes, va, size, node_gpu)
             self._regions[name] = region
             return region
 
@@ -444,5 +469,5 @@ class Offloader:
     def _per_gpu(regions: Iterable[Region], size: Callable[[Region], int]) -> dict[int, int]:
         out: dict[int, int] = {}
         for r in regions:
-            out[r.gpu] = out.get(r.gpu, 0) + size(r)
+            out[r.node_gpu] = out.get(r.node_gpu, 0) + size(r)
         return out
