@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -42,18 +43,26 @@ GB = 1e9
 MiB = 1 << 20
 
 
-def nvml_view(pid: int) -> dict[str, Any]:
-    """Whether NVML lists ``pid`` on any GPU (CUDA_VISIBLE_DEVICES may renumber them), and the PIDs it lists."""
+def nvml_view(pid: int, wait: float = 2.0) -> dict[str, Any]:
+    """Whether NVML lists ``pid`` on any GPU (CUDA_VISIBLE_DEVICES may renumber them), and the PIDs it lists.
+
+    Asks again for up to ``wait`` seconds, in case NVML's list trails the new context.
+    """
     workload.bootstrap()
     from timesliced.nvml import Nvml
 
+    end = time.monotonic() + wait
     with contextlib.closing(Nvml.open()) as nvml:
         if not nvml.available:
             return {"ok": None, "error": f"NVML: {nvml.reason}"}
-        try:
-            procs = nvml.process_memory()
-        except Exception as exc:
-            return {"ok": None, "error": f"NVML could not list the GPUs' processes: {exc}"}
+        while True:
+            try:
+                procs = nvml.process_memory()
+            except Exception as exc:
+                return {"ok": None, "error": f"NVML could not list the GPUs' processes: {exc}"}
+            if pid in procs or time.monotonic() > end:
+                break
+            time.sleep(0.1)
     return {
         "ok": pid in procs,
         "pid": pid,

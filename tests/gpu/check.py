@@ -992,11 +992,8 @@ class Check:
             self.run.report["backends"][name] = {"ok": False, "errors": [self.run.report["stages"][name]["error"]]}
             return
         with self.run.stage(name, budget_s=seconds) as entry:
-            seen = (self.run.report.get("ceiling") or {}).get("nvml_sees_own_pid") or {}
-            if name == "cuda-checkpoint" and seen.get("ok") is False:
-                why = "ended early: " + pid_blind(
-                    [int(seen["pid"])], list(seen.get("nvml_pids", [])), "the probe's PID"
-                )
+            why = self.cannot_checkpoint() if name == "cuda-checkpoint" else None
+            if why is not None:
                 self.run.report["backends"][name] = {"ok": False, "errors": [why]}
                 raise runner.StageFailed(why)
             report = run_backend(
@@ -1020,6 +1017,16 @@ class Check:
                 entry["plan"] = {k: report["plan"][k] for k in ("first_switch_s", "turn_s", "why")}
             if not report["ok"]:
                 raise runner.StageFailed(_errors_text(report))
+
+    def cannot_checkpoint(self) -> str | None:
+        """Why the cuda-checkpoint stage cannot do anything here, found before it starts a daemon; None if not known."""
+        api = (self.run.report.get("gpu") or {}).get("checkpoint_api")
+        if api not in (None, "ok"):
+            return f"ended early: the driver's checkpoint API cannot run here: {api}"
+        seen = (self.run.report.get("ceiling") or {}).get("nvml_sees_own_pid") or {}
+        if seen.get("ok") is False:
+            return "ended early: " + pid_blind([int(seen["pid"])], list(seen.get("nvml_pids", [])), "the probe's PID")
+        return None
 
     def crash(self) -> None:
         name = self.crash_backend
@@ -1109,6 +1116,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.keep:
         run.report["logs"] = str(workdir)
+    else:
+        run.at_exit.append(lambda: shutil.rmtree(workdir, ignore_errors=True))  # the watchdog's way out too
     try:
         return run.execute(lambda r: Check(r, args, backends, workdir).all())
     finally:

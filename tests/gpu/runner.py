@@ -94,6 +94,7 @@ class Run:
         # Set by a stage: () -> why the GPU is not as the check found it, or None. Run in the cleanup.
         self.gpu_check: Callable[[], str | None] | None = None
         self.quiet = threading.Event()  # set while the cleanup runs: signals are only noted
+        self.at_exit: list[Callable[[], None]] = []  # run by the watchdog before it ends the process
         self._lock = threading.RLock()
         self._emitted = False
         self.watchdog: procs.Watchdog | None = None
@@ -237,6 +238,9 @@ class Run:
                 self._not_reached(f"the deadline passed during {where}")
         finally:
             self.finish(1)
+            for fn in self.at_exit:
+                with contextlib.suppress(Exception):
+                    fn()
             os._exit(1)
 
     def _failed_stage(self) -> str | None:

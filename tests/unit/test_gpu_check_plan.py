@@ -190,3 +190,15 @@ def test_the_parser_keeps_the_deadline_under_five_minutes_by_default(monkeypatch
     monkeypatch.setenv(check.DEADLINE_ENV, "200")
     assert check.build_parser().parse_args([]).deadline == 200
     assert isinstance(check.build_parser().parse_args(["--deadline", "120"]), argparse.Namespace)
+
+
+def test_the_cuda_checkpoint_stage_ends_early_when_the_api_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(check, "run_backend", lambda *a, **kw: pytest.fail("the backend must not run"))
+    run = runner.Run(deadline_s=270, children=check.CHILDREN, stages=["cuda-checkpoint"], out=io.StringIO())
+    why = "NVIDIA driver 560.35 found; the CUDA checkpoint API needs driver 570 or newer"
+    run.report.update(backends={}, gpu={"checkpoint_api": why}, ceiling=None)
+    check.Check(run, check.build_parser().parse_args([]), ["cuda-checkpoint"], tmp_path).backend("cuda-checkpoint")
+    entry = run.report["stages"]["cuda-checkpoint"]
+    assert entry["ok"] is False and entry["error"] == f"ended early: the driver's checkpoint API cannot run here: {why}"
