@@ -73,7 +73,7 @@ IMPORT_NAMES = {
     "pytest-timeout": "pytest_timeout",
 }
 TEST_TOOLS = ("pytest", "pytest-timeout")
-PIP_TIMEOUT_S = 15  # pip's own per-connection timeout
+PIP_TIMEOUT_S = 10  # pip's own per-connection timeout: an unreachable index must not eat the budget
 
 
 class NoDriver(Exception):

@@ -110,15 +110,33 @@ def test_a_broken_project_rule_falls_back_to_ours(answer: Any) -> None:
     assert source.startswith("tests/gpu/install.py (the project's rule")
 
 
+def disagreements(rule: Any) -> list[tuple[int, str]]:
+    """(CUDA version, distribution) where ``rule`` accepts other releases than ours."""
+    out = []
+    for cuda in (12080, 12090, 13000, 13010, 13020):
+        got = rule(cuda)
+        theirs = [got] if isinstance(got, str) else list(got)
+        for name in sorted({parse_requirement(r)[0] for r in theirs} & {"cuda-python", "cuda-bindings"}):
+            if accepted(theirs, name) != accepted(own_requirements(cuda), name):
+                out.append((cuda, name))
+    return out
+
+
+def test_a_rule_that_lets_a_known_bad_release_in_disagrees() -> None:
+    def lax(cuda: int) -> str:
+        return "cuda-python>=12.8,<13" if cuda < 13000 else "cuda-python>=13,<14"
+
+    assert disagreements(lax) == [(13000, "cuda-python"), (13010, "cuda-python"), (13020, "cuda-python")]
+    assert disagreements(own_requirements) == []
+
+
 def test_the_projects_rule_where_it_exists_agrees_with_ours() -> None:
     rule = install.project_rule()
     if rule is None:
         # No rule in timesliced.backends.cuda_driver yet: ours is the one used, as the install stage says.
         assert cuda_requirements(12080)[1] == "tests/gpu/install.py"
         return
-    for cuda in (12080, 12090, 13000, 13010, 13020):
-        theirs, _ = cuda_requirements(cuda, rule)
-        assert accepted(theirs) == accepted(own_requirements(cuda)), cuda
+    assert disagreements(rule) == []
 
 
 # --- versions and requirements -----------------------------------------------------------
