@@ -39,7 +39,8 @@ for arg in "$@"; do
     previous="$arg"
 done
 case "${deadline%%.*}" in '' | *[!0-9]*) deadline=270 ;; esac
-if command -v timeout >/dev/null 2>&1; then
+# (GNU coreutils' timeout; a timeout without these options, e.g. busybox's, is not used.)
+if timeout --foreground --kill-after=5 5 true >/dev/null 2>&1; then
     exec timeout --foreground --kill-after=5 "$(( ${deadline%%.*} + 20 ))" "$python" tests/gpu/check.py "$@"
 fi
 exec "$python" tests/gpu/check.py "$@"

@@ -139,8 +139,8 @@ class Run:
         except Abort as exc:
             entry.update(ok=False, error=str(exc))
             raise
-        except procs.Interrupted as exc:
-            entry.update(ok=False, error=f"{exc}: the check stopped here")
+        except KeyboardInterrupt as exc:  # procs.Interrupted: a stop signal
+            entry.update(ok=False, error=f"{str(exc) or 'interrupted'}: the check stopped here")
             raise
         except Exception as exc:
             entry.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=6))
@@ -176,10 +176,11 @@ class Run:
             except Abort as exc:
                 code = exc.code
                 self._not_reached(f"the check stopped at {self._failed_stage() or 'an earlier stage'}")
-            except procs.Interrupted as exc:
+            except KeyboardInterrupt as exc:  # procs.Interrupted: a stop signal
                 code = 1
-                self.report["errors"].append(f"{exc}; every process the check started was stopped")
-                self._not_reached(str(exc))
+                why = str(exc) or "interrupted"
+                self.report["errors"].append(f"{why}; every process the check started was stopped")
+                self._not_reached(why)
             except Exception as exc:
                 code = 1
                 self.report["errors"].append(f"the check itself failed: {type(exc).__name__}: {exc}")

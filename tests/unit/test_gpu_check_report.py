@@ -165,6 +165,18 @@ def test_a_stop_signal_ends_the_stage_cleans_up_and_fails() -> None:
     assert children.calls == ["kill_all", "sweep"]
 
 
+def test_a_plain_keyboard_interrupt_is_handled_like_a_stop_signal() -> None:
+    children = Children()
+
+    def body(run: Run) -> None:
+        with run.stage("one"):
+            raise KeyboardInterrupt
+
+    code, doc, _ = execute(body, children)
+    assert code == 1 and doc["stages"]["one"]["error"] == "interrupted: the check stopped here"
+    assert children.calls == ["kill_all", "sweep"] and problems(doc) == []
+
+
 @pytest.mark.parametrize(
     ("survivors", "gpu", "why"),
     [([77], None, "still run after SIGKILL: [77]"), ([], "NVML still lists processes", "NVML still lists")],
