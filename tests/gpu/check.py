@@ -88,7 +88,7 @@ CHILDREN = procs.Children()
 STAGES = {
     s.name: s
     for s in (
-        budget.StageSpec("preflight", cap_s=20, floor_s=0),
+        budget.StageSpec("preflight", cap_s=25, floor_s=0),
         budget.StageSpec("install", cap_s=90, floor_s=5),
         budget.StageSpec("cuda", cap_s=40, floor_s=5),
         budget.StageSpec("pytest", cap_s=60, floor_s=20, required=False),
@@ -903,7 +903,7 @@ class Check:
                 entry["killed_leftovers"] = procs.kill_pids(sorted(leftovers))
                 entry["notes"] = [f"killed processes an earlier run of the check left behind: {sorted(leftovers)}"]
             try:
-                self.driver = install.read_driver(timeout=15.0)
+                self.driver = install.read_driver(timeout=8.0)  # NVML, then nvidia-smi twice: 24 s at worst
             except install.NoDriver as exc:
                 raise runner.Abort(f"no GPU: {exc}", code=2) from None
             entry.update(self.driver.to_dict())
