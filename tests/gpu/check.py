@@ -2,22 +2,36 @@
 
 ::
 
-    python tests/gpu/check.py [--gib 4] [--rounds 10] [--backends cuda-checkpoint,offload] [--torch auto] [--json]
+    python3 tests/gpu/check.py [--gib 4] [--rounds 10] [--backends cuda-checkpoint,offload] [--deadline 270] [--json]
 
-1. Preflight (seconds): NVML must see a GPU and cuda-python must initialise the
-   driver, each under a timeout. Without a usable GPU it prints
+Stages, each reported under ``stages`` with ``ok`` or its ``error`` (see README.md):
+
+1. ``preflight`` (seconds, standard library only): kill what an earlier run of
+   the check left behind, then NVML (through ``ctypes``) must list a GPU and
+   say which CUDA version its driver supports. Without a usable GPU it prints
    ``{"ok": false, "stage": "preflight", "error": "no GPU: ..."}`` and exits 2.
-2. Ceiling: the best pinned-memory copy bandwidth of GPU 0 (host to device,
-   device to host, and both at once on two streams), with cuda-python.
-3. For each backend: a fresh daemon (``timesliced serve --backend B``) and two
-   job processes (``workload.py``) that each fill several GiB, take turns
-   ``--rounds`` times and verify every byte after every turn. The daemon's
-   move log gives the bytes and seconds of every snapshot (device to host)
-   and restore (host to device); the jobs give switch times and data errors.
-4. One JSON object on stdout (see README.md); exit 0 when every backend ran
-   with no data error, 1 otherwise.
+2. ``install``: cuda-python of the driver's CUDA major (no known-bad release),
+   the package's dependencies and pytest, into the check's own folder where
+   missing (``install.py``).
+3. ``cuda``: cuda-python initialises the driver (``cuInit``), the checkpoint
+   API's verdict, and NVML's list of the processes already on the GPU.
+4. ``pytest``: the quick checks of ``test_real_gpu.py``.
+5. ``ceiling``: the pinned-copy bandwidth of GPU 0 each way and both at once
+   (``ceiling.py``, a child), and whether NVML sees the PIDs of this machine's
+   processes.
+6. ``cuda-checkpoint``, ``offload``: a fresh daemon and two job processes
+   (``workload.py``) that fill GiBs, take turns and verify every byte after
+   every turn; the number of turns is planned from the first measured switch
+   (``budget.py``) so that the run fits its slot.
+7. ``crash``: the daemon SIGKILLs itself before its first restore and a new one
+   must take the jobs over without losing a byte; skipped when the measured
+   switch says it would not fit.
+8. ``cleanup``, always: every process group the check started is stopped and
+   NVML must show no process on the GPU that was not there at the start.
 
-Everything is bounded: ``--deadline`` (default 185 s) covers the whole run.
+One deadline (``--deadline``, 270 s) bounds it all: each stage gets a slot from
+it (``budget.slot``), and a watchdog kills everything and prints the document
+should anything overrun. SIGTERM, SIGINT and SIGHUP end it the same way.
 """
 
 from __future__ import annotations
@@ -41,14 +55,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 try:
-    from . import workload
+    from . import budget, install, procs, runner, workload
 except ImportError:  # run as a script: this directory is on sys.path
+    import budget  # type: ignore[no-redef]
+    import install  # type: ignore[no-redef]
+    import procs  # type: ignore[no-redef]
+    import runner  # type: ignore[no-redef]
     import workload  # type: ignore[no-redef]
 
 T = TypeVar("T")
 
+HERE = Path(__file__).resolve().parent
 REPO = workload.REPO
 WORKLOAD = Path(workload.__file__).resolve()
+CEILING = HERE / "ceiling.py"
 BACKENDS = ("cuda-checkpoint", "offload")
 NOT_RUN = {
     "vllm": "not run: needs a vLLM server started with sleep mode enabled; no inference engine is installed here",
@@ -58,6 +78,26 @@ JOBS = ("check-a", "check-b")
 GiB = 1 << 30
 GB = 1e9
 TAIL_LINES = 20
+DEADLINE_ENV = "TIMESLICED_GPU_CHECK_DEADLINE"
+# The pytest stage leaves the two-job runs and the crash run to the stages that do them in full.
+PYTEST_SELECTION = "not two_jobs and not kill_9"
+
+# Every process this check starts, in its own process group (procs.py).
+CHILDREN = procs.Children()
+
+STAGES = {
+    s.name: s
+    for s in (
+        budget.StageSpec("preflight", cap_s=25, floor_s=0),
+        budget.StageSpec("install", cap_s=90, floor_s=5),
+        budget.StageSpec("cuda", cap_s=40, floor_s=5),
+        budget.StageSpec("pytest", cap_s=60, floor_s=20, required=False),
+        budget.StageSpec("ceiling", cap_s=45, floor_s=10),
+        budget.StageSpec("cuda-checkpoint", cap_s=150, floor_s=40),
+        budget.StageSpec("offload", cap_s=90, floor_s=30),
+        budget.StageSpec("crash", cap_s=90, floor_s=40, required=False),
+    )
+}
 
 
 class PreflightError(Exception):
@@ -95,7 +135,7 @@ def call_with_timeout(fn: Callable[[], T], timeout: float, what: str) -> T:
     return box["value"]  # type: ignore[no-any-return]
 
 
-# --- 1. preflight -------------------------------------------------------------------------
+# --- cuda-python and the driver (the cuda stage; the pytest checks use it too) ---------------
 
 
 def preflight(timeout: float = 15.0) -> dict[str, Any]:
@@ -167,92 +207,65 @@ def _version(package: str) -> str | None:
         return None
 
 
-# --- 2. the ceiling -----------------------------------------------------------------------
+# --- the GPU's processes --------------------------------------------------------------------
 
 
-def measure_ceiling(nbytes: int = GiB, repeats: int = 5, gpu: int = 0) -> dict[str, Any]:
-    """Best-of-``repeats`` copy bandwidth between pinned host memory and GPU ``gpu``, in GB/s (1e9 B/s).
-
-    One ``nbytes`` copy per direction, timed with CUDA events; ``bidir``
-    copies half of it each way at once on two streams and counts both halves.
-    Frees everything and releases the primary context before it returns.
-    """
-    cu = workload.Driver()
-    d = cu.d
-    device, context = cu.primary_context(gpu)
-    cu("cuCtxPushCurrent", context)
-    host = dev = 0
-    streams: list[Any] = []
-    events: list[Any] = []
-    try:
-        host = int(cu("cuMemHostAlloc", nbytes, 0))
-        dev = int(cu("cuMemAlloc", nbytes))
-        for _ in range(2):
-            streams.append(cu("cuStreamCreate", int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)))
-        for _ in range(3):
-            events.append(cu("cuEventCreate", int(d.CUevent_flags.CU_EVENT_DEFAULT)))
-        s1, s2 = streams
-        start, end1, end2 = events
-        half = nbytes // 2
-
-        def h2d(stream: Any, off: int, n: int) -> None:
-            cu("cuMemcpyHtoDAsync", cu.ptr(dev + off), host + off, n, stream)
-
-        def d2h(stream: Any, off: int, n: int) -> None:
-            cu("cuMemcpyDtoHAsync", host + off, cu.ptr(dev + off), n, stream)
-
-        def timed(issue: Callable[[], None]) -> float:
-            cu("cuEventRecord", start, s1)
-            cu("cuStreamWaitEvent", s2, start, 0)
-            issue()
-            cu("cuEventRecord", end1, s1)
-            cu("cuEventRecord", end2, s2)
-            cu("cuEventSynchronize", end1)
-            cu("cuEventSynchronize", end2)
-            ms = max(float(cu("cuEventElapsedTime", start, end1)), float(cu("cuEventElapsedTime", start, end2)))
-            return ms / 1000
-
-        def both_ways() -> None:
-            h2d(s1, 0, half)
-            d2h(s2, half, nbytes - half)
-
-        def best(issue: Callable[[], None]) -> float:
-            timed(issue)  # warm-up
-            return nbytes / min(timed(issue) for _ in range(repeats)) / GB
-
-        return {
-            # Whether NVML sees this process's memory under its PID: cuda-checkpoint finds a job's
-            # processes that way, which a daemon outside the host's PID namespace cannot.
-            "nvml_sees_own_pid_bytes": _own_pid_bytes(gpu),
-            "h2d_gbps": best(lambda: h2d(s1, 0, nbytes)),
-            "d2h_gbps": best(lambda: d2h(s1, 0, nbytes)),
-            "bidir_gbps": best(both_ways),
-            "nbytes": nbytes,
-            "repeats": repeats,
-            "how": "cuMemcpy{HtoD,DtoH}Async from/to cuMemHostAlloc memory, CUDA events, best of repeats",
-        }
-    finally:
-        cleanup: list[tuple[str, Any]] = [("cuEventDestroy", e) for e in events]
-        cleanup += [("cuStreamDestroy", s) for s in streams]
-        if dev:
-            cleanup.append(("cuMemFree", cu.ptr(dev)))
-        if host:
-            cleanup.append(("cuMemFreeHost", host))
-        for name, *args in [*cleanup, ("cuCtxPopCurrent",), ("cuDevicePrimaryCtxRelease", device)]:
-            with contextlib.suppress(workload.CudaError):
-                cu(name, *args)
-
-
-def _own_pid_bytes(gpu: int) -> int | None:
+def gpu_processes(timeout: float = 10.0) -> dict[int, int]:
+    """pid -> bytes (over every GPU) of the processes NVML lists; raises when NVML cannot say."""
     from timesliced.nvml import Nvml
 
-    with contextlib.closing(Nvml.open()) as nvml:
-        if not nvml.available:
+    def query() -> dict[int, int]:
+        with contextlib.closing(Nvml.open()) as nvml:
+            if not nvml.available:
+                raise RuntimeError(f"NVML: {nvml.reason}")
+            return {pid: sum(per_gpu.values()) for pid, per_gpu in nvml.process_memory().items()}
+
+    return call_with_timeout(query, timeout, "NVML's process list")
+
+
+def describe_pids(pids: dict[int, int]) -> list[dict[str, Any]]:
+    """Each PID with its bytes and, where this PID namespace has it, its command line."""
+    out = []
+    for pid, nbytes in sorted(pids.items()):
+        try:
+            cmdline = (procs.PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmdline = None
+        out.append({"pid": pid, "bytes": nbytes, "cmdline": cmdline.strip() if cmdline else None})
+    return out
+
+
+def left_behind(at_start: dict[int, int], wait: float = 8.0) -> str | None:
+    """Why the GPU is not as the check found it (new processes on it), or None; NVML may trail a few seconds."""
+    end = time.monotonic() + wait
+    while True:
+        try:
+            now = gpu_processes(5.0)
+        except Exception as exc:
+            return f"could not check that the GPU is empty again: {exc}"
+        new = {pid: n for pid, n in now.items() if pid not in at_start}
+        if not new:
             return None
-        return nvml.process_memory().get(os.getpid(), {}).get(gpu)
+        if time.monotonic() > end:
+            return (
+                f"NVML still lists processes that were not on the GPU when the check started: {describe_pids(new)}; "
+                "kill them before a rerun"
+            )
+        time.sleep(0.5)
 
 
-# --- 3. one backend -----------------------------------------------------------------------
+def pid_blind(pids: list[int], visible: list[int], whose: str) -> str:
+    """The reason the cuda-checkpoint stage ends early when NVML cannot see this PID namespace's processes."""
+    return (
+        f"NVML does not list {whose} ({', '.join(map(str, pids))}) among the GPU's processes "
+        f"(it lists {', '.join(map(str, visible)) or 'none'}): the check runs in a PID namespace other than the "
+        "driver's (a container without the host's PID namespace), so the daemon cannot find its jobs' processes "
+        "to checkpoint them. Run the check with the host's PID namespace (docker run --pid=host; hostPID: true "
+        "in Kubernetes) to test cuda-checkpoint"
+    )
+
+
+# --- children -------------------------------------------------------------------------------
 
 
 def child_env() -> dict[str, str]:
@@ -271,21 +284,29 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def last_json(path: Path) -> dict[str, Any] | None:
+    """The last line of ``path`` as a JSON object, or None."""
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        data = json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 @contextlib.contextmanager
 def spawned(
-    argv: list[str], out: Path, err: Path, grace: float = 10.0, env: dict[str, str] | None = None
+    argv: list[str],
+    out: Path,
+    err: Path | None = None,
+    grace: float = 10.0,
+    env: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """A child process with its output in files; terminated (killed after ``grace`` s) and reaped on the way out."""
-    with out.open("wb") as stdout, err.open("wb") as stderr:
-        proc = subprocess.Popen(
-            argv,
-            stdout=stdout,
-            stderr=stderr,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-            env={**child_env(), **(env or {})},
-            start_new_session=True,
-        )
+    """A child in its own process group, its output in files (``err`` None: with stdout); the group is stopped after."""
+    with contextlib.ExitStack() as files:
+        stdout = files.enter_context(out.open("wb"))
+        stderr: Any = files.enter_context(err.open("wb")) if err is not None else subprocess.STDOUT
+        proc = CHILDREN.spawn(argv, stdout=stdout, stderr=stderr, cwd=REPO, env={**child_env(), **(env or {})})
     try:
         yield proc
     finally:
@@ -293,23 +314,59 @@ def spawned(
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
+    """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds, and reap the child."""
+    CHILDREN.stop(proc, grace)
+
+
+def run_child(
+    argv: list[str], *, timeout: float, out: Path, err: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[int | None, bool]:
+    """(exit status, whether it ran past ``timeout`` and was killed) of a child run to its end."""
+    with spawned(argv, out, err, grace=3.0, env=env) as proc:
         try:
-            proc.wait(grace)
+            return proc.wait(timeout), False
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
+            return None, True
+
+
+def pip_runner(workdir: Path) -> install.Runner:
+    """install.ensure's runner: pip as a child of this check, so a signal or the deadline stops it too."""
+
+    def run(argv: list[str], timeout: float) -> tuple[int, str]:
+        log = workdir / "pip.log"
+        rc, timed_out = run_child(argv, timeout=timeout, out=log)
+        text = tail(log, 40)
+        if timed_out:
+            return 124, f"{text}\n(pip did not finish within {timeout:.0f}s and was killed)"
+        return (rc if rc is not None else 1), text
+
+    return run
+
+
+# --- one backend ----------------------------------------------------------------------------
 
 
 class BackendRun:
-    """One backend's daemon, its two jobs and what was seen of them."""
+    """One backend's daemon, its two jobs and what was seen of them.
 
-    def __init__(self, backend: str, workdir: Path, progress: Progress, crash_at: str | None = None) -> None:
+    ``plan``: the jobs plan their rounds with this run (``workload.py --plan-dir``):
+    the first restored turn is measured and :func:`budget.plan_rounds` decides
+    how many rounds fit what is left of ``timeout``. ``host_memory`` (GB/s, 0:
+    unlimited; offload only): the jobs keep their "device" memory in host
+    buffers, for the check's own tests on a machine without a GPU.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        workdir: Path,
+        progress: Progress,
+        crash_at: str | None = None,
+        plan: bool = False,
+        host_memory: float | None = None,
+    ) -> None:
         self.backend = backend
+        self.host_memory = host_memory
         self.crash_at = crash_at
         self.restarts = 0
         self.workdir = workdir
@@ -321,6 +378,9 @@ class BackendRun:
         self.move_totals: dict[str, int] = {}  # job -> moves the daemon counted
         self.faults: dict[str, str] = {}
         self.parking: dict[str, Any] = {}
+        self.plan_dir = workdir / "plan" if plan else None
+        self.plan: dict[str, Any] | None = None
+        self.pids_checked = False
 
     def wait_ready(self, daemon: subprocess.Popen[bytes], timeout: float) -> None:
         from timesliced.client.sync import daemon_status
@@ -357,10 +417,54 @@ class BackendRun:
             if job.get("faulted"):
                 self.faults[job["job"]] = str(job["faulted"])
 
+    def maybe_plan(self, rounds: int, deadline: float) -> None:
+        """Once a job announced its first restored turn: plan the rounds from it and let the jobs go on."""
+        if self.plan is not None or self.plan_dir is None:
+            return
+        first = workload.read_json(self.plan_dir / workload.FIRST_TURN)
+        if first is None:
+            return
+        turn = budget.FirstTurn(
+            round=int(first["round"]),
+            switch_s=float(first["switch_s"]),
+            work_s=float(first.get("verify_s", 0.0)) + float(first.get("fill_s", 0.0)),
+        )
+        plan = budget.plan_rounds(turn, asked=rounds, left_s=deadline - time.monotonic())
+        self.plan = {**plan.to_dict(), "first_switch_s": turn.switch_s, "first_turn": first}
+        if not workload.write_once(self.plan_dir / workload.PLAN, {"rounds": plan.rounds, "why": plan.why}):
+            self.plan["note"] = "the job had stopped waiting and wrote the plan itself: " + json.dumps(
+                workload.read_json(self.plan_dir / workload.PLAN)
+            )
+        self.progress(
+            f"{self.backend}: first switch {turn.switch_s:.2f}s (turn {turn.switch_s + turn.work_s:.2f}s); "
+            f"{plan.rounds} of {rounds} rounds: {plan.why}"
+        )
+
+    def unseen_pids(self, jobs: dict[str, subprocess.Popen[bytes]]) -> str | None:
+        """cuda-checkpoint: the first snapshot moved nothing and NVML does not list the jobs: why, else None."""
+        if self.pids_checked:
+            return None
+        snapshots = [m for m in self.moves.values() if m["kind"] == "snapshot"]
+        if not snapshots:
+            return None
+        self.pids_checked = True
+        if any(int(m["nbytes"]) > 0 for m in snapshots):
+            return None
+        try:
+            visible = gpu_processes(5.0)
+        except Exception:
+            return None  # cannot tell: the run goes on, and its figures will say
+        pids = sorted(p.pid for p in jobs.values())
+        if set(pids) & set(visible):
+            return None
+        return pid_blind(pids, sorted(visible), "the jobs' PIDs")
+
     def run(self, *, gib: float, rounds: int, torch: str, timeout: float) -> dict[str, Any]:
         started = time.monotonic()
         deadline = started + timeout
         reports: dict[str, dict[str, Any]] = {}
+        if self.plan_dir is not None:
+            self.plan_dir.mkdir(exist_ok=True)
         daemon_argv = [
             sys.executable,
             "-m",
@@ -385,14 +489,15 @@ class BackendRun:
                 self.wait_ready(daemon, min(30.0, timeout))
             except RuntimeError as exc:
                 self.errors.append(str(exc))
-                return self.result(reports, rounds, started)
-            self.check_parking()
-            self.progress(f"{self.backend}: daemon up; two jobs of {gib:g} GiB, {rounds} turns each")
+                return self.result(reports, rounds, rounds, started)
+            if not self.check_parking():
+                return self.result(reports, rounds, rounds, started)  # nothing to learn from jobs it cannot park
+            self.progress(f"{self.backend}: daemon up; two jobs of {gib:g} GiB, at most {rounds} turns each")
             with contextlib.ExitStack() as stack:
-                procs = {
+                jobs = {
                     job: stack.enter_context(
                         spawned(
-                            self.workload_argv(job, gib, rounds, torch),
+                            self.workload_argv(job, gib, rounds, torch, deadline - time.monotonic()),
                             self.workdir / f"{job}.out",
                             self.workdir / f"{job}.err",
                             grace=3.0,
@@ -400,7 +505,8 @@ class BackendRun:
                     )
                     for job in JOBS
                 }
-                while any(p.poll() is None for p in procs.values()):
+                while any(p.poll() is None for p in jobs.values()):
+                    self.maybe_plan(rounds, deadline)
                     if time.monotonic() > deadline:
                         self.errors.append(f"timed out after {timeout:.0f}s; the jobs were killed")
                         break
@@ -414,7 +520,12 @@ class BackendRun:
                         break
                     with contextlib.suppress(Exception):
                         self.poll()
-                    time.sleep(0.25)
+                    if self.backend == "cuda-checkpoint":
+                        why = self.unseen_pids(jobs)
+                        if why:
+                            self.errors.append(f"ended early: {why}")
+                            break
+                    time.sleep(0.1)
                 if daemon.poll() is None:
                     with contextlib.suppress(Exception):
                         self.poll()
@@ -422,7 +533,10 @@ class BackendRun:
                 reports[job] = self.read_report(job)
         if self.errors or any(not r.get("ok") for r in reports.values()):
             self.notes.append("daemon log tail:\n" + tail(log))
-        return self.result(reports, rounds, started)
+        planned = rounds
+        if self.plan_dir is not None:
+            planned = workload.planned_rounds(self.plan_dir, rounds) or rounds
+        return self.result(reports, planned, rounds, started)
 
     def restart(self, daemons: contextlib.ExitStack, argv: list[str]) -> subprocess.Popen[bytes] | None:
         """The daemon killed itself at the crash point: start a new one on the same state dir (None: it failed)."""
@@ -439,8 +553,8 @@ class BackendRun:
             return None
         return daemon
 
-    def workload_argv(self, job: str, gib: float, rounds: int, torch: str) -> list[str]:
-        return [
+    def workload_argv(self, job: str, gib: float, rounds: int, torch: str, timeout: float) -> list[str]:
+        argv = [
             sys.executable,
             str(WORKLOAD),
             "--job",
@@ -457,28 +571,37 @@ class BackendRun:
             torch,
             "--peers",
             str(len(JOBS)),
+            # Nothing in a job waits longer than the run may last.
+            "--start-timeout",
+            f"{min(60.0, max(timeout, 1.0)):.0f}",
+            "--acquire-timeout",
+            f"{max(timeout, 1.0):.0f}",
+            "--end-timeout",
+            f"{max(timeout, 1.0):.0f}",
         ]
+        if self.plan_dir is not None:
+            argv += ["--plan-dir", str(self.plan_dir)]
+        if self.host_memory is not None:
+            argv += ["--host-memory", "--host-bandwidth", repr(self.host_memory)]
+        return argv
 
-    def check_parking(self) -> None:
+    def check_parking(self) -> bool:
+        """Whether the daemon can park with this backend on a real GPU; errors that say why not."""
         methods = self.parking.get("methods") or {}
         if methods.get(self.backend) != "available":
-            self.errors.append(f"the daemon cannot park with {self.backend}: {methods.get(self.backend)}")
-        if self.parking.get("device_source") != "nvml":
-            self.errors.append("the daemon simulates its GPUs: it found no usable GPU through NVML")
+            self.errors.append(f"ended early: the daemon cannot park with {self.backend}: {methods.get(self.backend)}")
+        if self.parking.get("device_source") != "nvml" and self.host_memory is None:
+            self.errors.append("ended early: the daemon simulates its GPUs: it found no usable GPU through NVML")
+        return not self.errors
 
     def read_report(self, job: str) -> dict[str, Any]:
-        out = self.workdir / f"{job}.out"
-        lines = [line for line in out.read_text(errors="replace").splitlines() if line.strip()] if out.exists() else []
-        try:
-            report = json.loads(lines[-1]) if lines else None
-        except json.JSONDecodeError:
-            report = None
-        if not isinstance(report, dict):
+        report = last_json(self.workdir / f"{job}.out")
+        if report is None:
             stderr = tail(self.workdir / f"{job}.err", 8)
             return {"job": job, "ok": False, "errors": [f"no report from the job; its stderr: {stderr}"]}
         return report
 
-    def result(self, reports: dict[str, dict[str, Any]], rounds: int, started: float) -> dict[str, Any]:
+    def result(self, reports: dict[str, dict[str, Any]], rounds: int, asked: int, started: float) -> dict[str, Any]:
         if self.crash_at and not self.restarts:
             self.errors.append(f"the daemon never reached the crash point {self.crash_at}")
         report = summarize(
@@ -492,6 +615,9 @@ class BackendRun:
             missed=sum(self.move_totals.values()) - len(self.moves),
             seconds=time.monotonic() - started,
         )
+        report["rounds_asked"] = asked
+        if self.plan_dir is not None:
+            report["plan"] = self.plan
         if self.crash_at:
             report.update(crash_at=self.crash_at, restarts=self.restarts)
         return report
@@ -507,28 +633,36 @@ def run_backend(
     keep: bool = False,
     progress: Progress = _quiet,
     crash_at: str | None = None,
+    plan: bool = False,
+    workdir: Path | None = None,
+    host_memory: float | None = None,
 ) -> dict[str, Any]:
     """Run ``backend`` with two jobs of ``gib`` GiB taking ``rounds`` turns each; its report (see README.md).
 
     ``crash_at`` (a point of ``$TIMESLICED_CRASH_AT``): the daemon kills itself with SIGKILL there once,
     and a new one is started on the same state dir; the jobs must reconnect and lose nothing.
+    ``plan``: ``rounds`` is the most; the run takes as many as fit ``timeout`` after its first switch.
+    ``workdir``: where the logs go (a new temporary folder, removed unless ``keep``, by default).
+    ``host_memory``: see :class:`BackendRun` (no GPU; the check's own tests).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     workload.bootstrap()
-    workdir = Path(tempfile.mkdtemp(prefix=f"tsgpu-{backend}-"))
+    own = workdir is None
+    folder = Path(tempfile.mkdtemp(prefix=f"tsgpu-{backend}-")) if workdir is None else workdir
+    folder.mkdir(parents=True, exist_ok=True)
     try:
-        run = BackendRun(backend, workdir, progress, crash_at)
+        run = BackendRun(backend, folder, progress, crash_at, plan, host_memory)
         result = run.run(gib=gib, rounds=rounds, torch=torch, timeout=timeout)
     finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        if own and not keep:
+            shutil.rmtree(folder, ignore_errors=True)
     if keep:
-        result["logs"] = str(workdir)
+        result["logs"] = str(folder)
     return result
 
 
-# --- figures ------------------------------------------------------------------------------
+# --- figures ----------------------------------------------------------------------------------
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -647,25 +781,62 @@ def against_ceiling(result: dict[str, Any], ceiling: dict[str, Any]) -> None:
             result[key]["of_ceiling"] = rate / top
 
 
-# --- 4. the whole check -------------------------------------------------------------------
+def bandwidth(ceiling: dict[str, Any] | None, backends: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The ceiling next to what each parking method achieved, in GB/s (10^9 bytes/s)."""
+    methods: dict[str, Any] = {}
+    for name, report in backends.items():
+        d2h, h2d = report.get("d2h") or {}, report.get("h2d") or {}
+        methods[name] = {
+            "d2h_gbps_p50": d2h.get("gbps_p50"),
+            "d2h_gbps_max": d2h.get("gbps_max"),
+            "d2h_of_ceiling": d2h.get("of_ceiling"),
+            "h2d_gbps_p50": h2d.get("gbps_p50"),
+            "h2d_gbps_max": h2d.get("gbps_max"),
+            "h2d_of_ceiling": h2d.get("of_ceiling"),
+            "bytes_per_move": max(d2h.get("bytes_per_move") or 0, h2d.get("bytes_per_move") or 0),
+        }
+    top = None
+    if ceiling:
+        top = {k: ceiling.get(k) for k in ("h2d_gbps", "d2h_gbps", "bidir_gbps", "bidir_h2d_gbps", "bidir_d2h_gbps")}
+    return {"unit": "GB/s (1e9 bytes/s)", "ceiling": top, "methods": methods}
+
+
+# --- the whole check ------------------------------------------------------------------------
+
+
+def default_deadline() -> float:
+    text = os.environ.get(DEADLINE_ENV)
+    try:
+        return float(text) if text else budget.DEFAULT_DEADLINE_S
+    except ValueError:
+        raise SystemExit(f"check.py: ${DEADLINE_ENV} must be a number of seconds, not {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Run timesliced's real parking backends on this machine's GPU 0.")
     p.add_argument("--gib", type=float, default=4.0, help="device memory per job (GiB, default 4)")
-    p.add_argument("--rounds", type=int, default=10, help="turns each job takes, each verified (default 10)")
+    p.add_argument("--rounds", type=int, default=10, help="turns each job takes at most, each verified (default 10)")
     p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated (default {','.join(BACKENDS)})")
     p.add_argument("--torch", choices=["auto", "on", "off"], default="auto", help="a torch tensor in each job")
-    p.add_argument("--deadline", type=float, default=185.0, help="seconds for the whole check (default 185)")
-    p.add_argument("--backend-timeout", type=float, default=120.0, help="seconds per backend at most")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=default_deadline(),
+        help=f"seconds for the whole check (default ${DEADLINE_ENV} or {budget.DEFAULT_DEADLINE_S:.0f})",
+    )
+    p.add_argument("--backend-timeout", type=float, default=None, help="seconds per backend at most (default 150)")
     p.add_argument("--keep", action="store_true", help="keep the daemon and job logs (their folder is reported)")
     p.add_argument(
         "--crash-at",
-        default=None,
+        default="before-restore",
         metavar="POINT",
-        help="the daemon kills itself with SIGKILL at this step of a switch once (e.g. before-restore) and is "
-        "started again; the jobs must lose nothing",
+        help="the crash stage: the daemon kills itself with SIGKILL at this step of a switch once (default "
+        "before-restore) and is started again; the jobs must lose nothing. 'off': no crash stage",
     )
+    p.add_argument("--crash-gib", type=float, default=0.25, help="device memory per job in the crash stage")
+    p.add_argument("--ceiling-mib", type=int, default=1024, help="the ceiling's buffer (MiB, default 1024)")
+    p.add_argument("--no-pytest", dest="pytest", action="store_false", help="leave out the quick pytest checks")
+    p.add_argument("--no-install", dest="install", action="store_false", help="install nothing; report what lacks")
     p.add_argument("--json", action="store_true", help="print only the JSON object, on one line")
     return p
 
@@ -675,8 +846,232 @@ def as_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def emit(result: dict[str, Any], compact: bool) -> None:
-    print(json.dumps(result, indent=None if compact else 2), flush=True)
+class Check:
+    """The stages, in order, on one :class:`runner.Run`."""
+
+    def __init__(self, run: runner.Run, args: argparse.Namespace, backends: list[str], workdir: Path) -> None:
+        self.run = run
+        self.args = args
+        self.backends = backends
+        self.workdir = workdir
+        self.driver: install.DriverInfo | None = None
+        self.crash_backend = self.pick_crash_backend()
+
+    def pick_crash_backend(self) -> str | None:
+        if self.args.crash_at == "off":
+            return None
+        return "cuda-checkpoint" if "cuda-checkpoint" in self.backends else self.backends[0]
+
+    def spec(self, name: str) -> budget.StageSpec:
+        spec = STAGES[name]
+        if name in BACKENDS and self.args.backend_timeout is not None:
+            spec = budget.StageSpec(name, self.args.backend_timeout, min(spec.floor_s, self.args.backend_timeout))
+        return spec
+
+    def later(self, name: str) -> list[budget.StageSpec]:
+        names = self.run.planned
+        return [self.spec(n) for n in names[names.index(name) + 1 :] if n in STAGES]
+
+    def slot(self, name: str, floor_s: float | None = None) -> float | None:
+        """The stage's slot, or None after recording it as not run."""
+        spec = self.spec(name)
+        got = self.run.slot(spec, self.later(name), floor_s=floor_s)
+        if got.seconds is None:
+            self.run.skip(name, got.why, required=spec.required)
+        return got.seconds
+
+    def all(self) -> None:
+        self.preflight()
+        self.install()
+        self.cuda()
+        if self.args.pytest:
+            self.pytest()
+        self.ceiling()
+        for backend in self.backends:
+            self.backend(backend)
+        if self.crash_backend is not None:
+            self.crash()
+        report = self.run.report
+        report["bandwidth"] = bandwidth(report.get("ceiling"), report["backends"])
+
+    # --- the stages -------------------------------------------------------------------------
+
+    def preflight(self) -> None:
+        with self.run.stage("preflight", budget_s=self.spec("preflight").cap_s) as entry:
+            leftovers = procs.orphans()
+            if leftovers:
+                entry["killed_leftovers"] = procs.kill_pids(sorted(leftovers))
+                entry["notes"] = [f"killed processes an earlier run of the check left behind: {sorted(leftovers)}"]
+            try:
+                self.driver = install.read_driver(timeout=8.0)  # NVML, then nvidia-smi twice: 24 s at worst
+            except install.NoDriver as exc:
+                raise runner.Abort(f"no GPU: {exc}", code=2) from None
+            entry.update(self.driver.to_dict())
+
+    def install(self) -> None:
+        assert self.driver is not None
+        seconds = self.slot("install")
+        if seconds is None:
+            return
+        with self.run.stage("install", budget_s=seconds) as entry:
+            got = install.ensure(
+                self.driver, timeout=seconds, run=pip_runner(self.workdir), allow_install=self.args.install
+            )
+            ok, error = got.pop("ok"), got.pop("error")
+            entry.update(got)
+            if not ok:
+                raise runner.StageFailed(error)
+
+    def cuda(self) -> None:
+        with self.run.stage("cuda", budget_s=self.spec("cuda").cap_s) as entry:
+            try:
+                gpu = preflight()
+            except PreflightError as exc:
+                raise runner.Abort(str(exc), code=2) from None
+            self.run.report["gpu"] = gpu
+            entry.update(name=gpu["name"], cuda_python=gpu["cuda_python"], checkpoint_api=gpu["checkpoint_api"])
+            try:
+                at_start = gpu_processes()
+            except Exception as exc:
+                entry["notes"] = [f"NVML could not list the GPU's processes, so the cleanup cannot check them: {exc}"]
+                return
+            gpu["processes_at_start"] = describe_pids(at_start)
+            if at_start:
+                entry["notes"] = [
+                    f"the GPU was not empty at the start: {gpu['processes_at_start']}; figures may suffer, and the "
+                    "check may run out of memory"
+                ]
+            self.run.gpu_check = lambda: left_behind(at_start)
+
+    def pytest(self) -> None:
+        seconds = self.slot("pytest")
+        if seconds is None:
+            return
+        with self.run.stage("pytest", budget_s=seconds) as entry:
+            if not install.importable("pytest"):
+                raise runner.StageFailed("pytest is not installed (the install stage says why)")
+            argv = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider"]
+            argv += ["-k", PYTEST_SELECTION]
+            log = self.workdir / "pytest.log"
+            rc, timed_out = run_child(argv, timeout=seconds, out=log, env={"TIMESLICED_GPU_TESTS": "1"})
+            lines = [line for line in tail(log, 200).splitlines() if line.strip()]
+            entry["summary"] = lines[-1] if lines else ""
+            skipped = [line for line in lines if line.startswith("SKIPPED")]
+            if skipped:
+                entry["skipped_tests"] = skipped
+            if timed_out:
+                raise runner.StageFailed(f"pytest did not finish within {seconds:.0f}s and was killed")
+            if rc != 0:
+                entry["tail"] = "\n".join(lines[-30:])
+                raise runner.StageFailed(f"pytest failed (exit status {rc}): {entry['summary']}")
+
+    def ceiling(self) -> None:
+        seconds = self.slot("ceiling")
+        if seconds is None:
+            return
+        with self.run.stage("ceiling", budget_s=seconds) as entry:
+            argv = [sys.executable, str(CEILING), "--mib", str(self.args.ceiling_mib)]
+            out, err = self.workdir / "ceiling.out", self.workdir / "ceiling.err"
+            rc, timed_out = run_child(argv, timeout=seconds, out=out, err=err)
+            if timed_out:
+                raise runner.StageFailed(f"the measurement did not finish within {seconds:.0f}s and was killed")
+            got = last_json(out)
+            if got is None:
+                raise runner.StageFailed(f"ceiling.py gave no result (exit status {rc}): {tail(err, 8)}")
+            if not got.get("ok"):
+                raise runner.StageFailed(str(got.get("error")))
+            self.run.report["ceiling"] = got
+            seen = got.get("nvml_sees_own_pid") or {}
+            entry.update(
+                {k: got.get(k) for k in ("h2d_gbps", "d2h_gbps", "bidir_gbps")}, nvml_sees_own_pid=seen.get("ok")
+            )
+
+    def backend(self, name: str) -> None:
+        seconds = self.slot(name)
+        if seconds is None:
+            self.run.report["backends"][name] = {"ok": False, "errors": [self.run.report["stages"][name]["error"]]}
+            return
+        with self.run.stage(name, budget_s=seconds) as entry:
+            why = self.cannot_checkpoint() if name == "cuda-checkpoint" else None
+            if why is not None:
+                self.run.report["backends"][name] = {"ok": False, "errors": [why]}
+                raise runner.StageFailed(why)
+            report = run_backend(
+                name,
+                gib=self.args.gib,
+                rounds=self.args.rounds,
+                torch=self.args.torch,
+                timeout=seconds,
+                keep=self.args.keep,
+                progress=self.run.progress,
+                plan=True,
+                workdir=self.workdir / name,
+            )
+            if self.run.report.get("ceiling"):
+                against_ceiling(report, self.run.report["ceiling"])
+            self.run.report["backends"][name] = report
+            entry.update(
+                rounds=report["rounds"], rounds_asked=report["rounds_asked"], data_errors=report["data_errors"]
+            )
+            if report.get("plan"):
+                entry["plan"] = {k: report["plan"][k] for k in ("first_switch_s", "turn_s", "why")}
+            if not report["ok"]:
+                raise runner.StageFailed(_errors_text(report))
+
+    def cannot_checkpoint(self) -> str | None:
+        """Why the cuda-checkpoint stage cannot do anything here, found before it starts a daemon; None if not known."""
+        api = (self.run.report.get("gpu") or {}).get("checkpoint_api")
+        if api not in (None, "ok"):
+            return f"ended early: the driver's checkpoint API cannot run here: {api}"
+        seen = (self.run.report.get("ceiling") or {}).get("nvml_sees_own_pid") or {}
+        if seen.get("ok") is False:
+            return "ended early: " + pid_blind([int(seen["pid"])], list(seen.get("nvml_pids", [])), "the probe's PID")
+        return None
+
+    def crash(self) -> None:
+        name = self.crash_backend
+        assert name is not None
+        main = self.run.report["stages"].get(name) or {}
+        if main.get("ok") is False:
+            self.run.skip("crash", f"the {name} stage failed", required=False)
+            return
+        turn_s = ((self.run.report["backends"].get(name) or {}).get("plan") or {}).get("turn_s")
+        floor = budget.crash_floor(turn_s, default_s=STAGES["crash"].floor_s)
+        seconds = self.slot("crash", floor_s=floor)
+        if seconds is None:
+            return
+        with self.run.stage("crash", budget_s=seconds) as entry:
+            report = run_backend(
+                name,
+                gib=self.args.crash_gib,
+                rounds=3,
+                torch="off",
+                timeout=seconds,
+                keep=self.args.keep,
+                progress=self.run.progress,
+                crash_at=self.args.crash_at,
+                plan=True,
+                workdir=self.workdir / "crash",
+            )
+            self.run.report["crash"] = report
+            entry.update(
+                backend=name, crash_at=self.args.crash_at, restarts=report["restarts"], rounds=report["rounds"]
+            )
+            if report["restarts"] != 1:
+                report["ok"] = False
+                report["errors"].append(f"the daemon was restarted {report['restarts']} times, not once")
+            if not report["ok"]:
+                raise runner.StageFailed(_errors_text(report))
+
+
+def _errors_text(report: dict[str, Any]) -> str:
+    errors = list(report.get("errors") or [])
+    if report.get("data_errors"):
+        errors.append(f"{report['data_errors']} chunks did not hold what their job wrote")
+    if not errors:
+        errors = ["a job failed (see backends.*.jobs)"]
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "; ".join(errors[:3]) + more
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -685,73 +1080,49 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown or not backends:
         raise SystemExit(f"check.py: unknown backends {unknown} (choose from {', '.join(BACKENDS)})")
-    if args.gib <= 0 or args.rounds < 1:
-        raise SystemExit("check.py: --gib and --rounds must be positive")
+    if args.gib <= 0 or args.rounds < 1 or args.deadline <= 0:
+        raise SystemExit("check.py: --gib, --rounds and --deadline must be positive")
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA's GPU 0 is NVML's GPU 0
-    signal.signal(signal.SIGTERM, as_interrupt)  # a timeout's SIGTERM still stops the children
-    started = time.monotonic()
-    deadline = started + args.deadline
+    stages = ["preflight", "install", "cuda", *(["pytest"] if args.pytest else []), "ceiling", *backends]
+    if args.crash_at != "off":
+        stages.append("crash")
 
     def progress(message: str) -> None:
-        if not args.json:
-            print(f"[gpu-check {time.monotonic() - started:5.1f}s] {message}", file=sys.stderr, flush=True)
+        print(message, file=sys.stderr, flush=True)
 
-    progress("preflight")
-    try:
-        gpu = preflight()
-    except PreflightError as exc:
-        emit({"ok": False, "stage": "preflight", "error": str(exc)}, args.json)
-        return 2
-    except KeyboardInterrupt as exc:
-        emit({"ok": False, "stage": "preflight", "error": f"interrupted ({exc or 'SIGINT'})"}, args.json)
-        return 1
-    result: dict[str, Any] = {
-        "ok": False,
-        "gpu": gpu,
-        "config": {"gib": args.gib, "rounds": args.rounds, "torch": args.torch, "backends": backends},
-        "ceiling": None,
-        "backends": {},
-        "not_run": dict(NOT_RUN),
-        "errors": [],
-        "seconds": None,
-    }
-    try:
-        progress(f"{gpu['name']}, driver {gpu['driver']}; measuring the pinned copy ceiling")
-        try:
-            result["ceiling"] = call_with_timeout(measure_ceiling, 60.0, "the ceiling measurement")
-        except Exception as exc:
-            result["errors"].append(f"ceiling: {type(exc).__name__}: {exc}")
-        for i, backend in enumerate(backends):
-            budget = min(args.backend_timeout, (deadline - time.monotonic() - 5) / (len(backends) - i))
-            if budget < 20:
-                result["backends"][backend] = {"ok": False, "errors": ["not run: the time budget is spent"]}
-                continue
-            progress(f"{backend}: starting (at most {budget:.0f}s)")
-            report = run_backend(
-                backend,
-                gib=args.gib,
-                rounds=args.rounds,
-                torch=args.torch,
-                timeout=budget,
-                keep=args.keep,
-                progress=progress,
-                crash_at=args.crash_at,
-            )
-            if result["ceiling"]:
-                against_ceiling(report, result["ceiling"])
-            result["backends"][backend] = report
-            progress(f"{backend}: {'ok' if report['ok'] else 'FAILED'} in {report['seconds']:.0f}s")
-    except KeyboardInterrupt as exc:
-        result["errors"].append(f"interrupted ({exc or 'SIGINT'})")
-    result["ok"] = (
-        not result["errors"]
-        and result["ceiling"] is not None
-        and len(result["backends"]) == len(backends)
-        and all(b.get("ok") for b in result["backends"].values())
+    run = runner.Run(
+        deadline_s=args.deadline,
+        children=CHILDREN,
+        stages=stages,
+        compact=args.json,
+        progress=None if args.json else progress,
     )
-    result["seconds"] = time.monotonic() - started
-    emit(result, args.json)
-    return 0 if result["ok"] else 1
+    workdir = Path(tempfile.mkdtemp(prefix="tsgpu-"))
+    run.report.update(
+        config={
+            "gib": args.gib,
+            "rounds": args.rounds,
+            "torch": args.torch,
+            "backends": backends,
+            "deadline_s": args.deadline,
+            "crash_at": args.crash_at,
+            "python": sys.executable,
+        },
+        gpu=None,
+        ceiling=None,
+        backends={},
+        bandwidth=None,
+        not_run=dict(NOT_RUN),
+    )
+    if args.keep:
+        run.report["logs"] = str(workdir)
+    else:
+        run.at_exit.append(lambda: shutil.rmtree(workdir, ignore_errors=True))  # the watchdog's way out too
+    try:
+        return run.execute(lambda r: Check(r, args, backends, workdir).all())
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

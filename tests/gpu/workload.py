@@ -23,6 +23,16 @@ chunk of each allocation holds its own 32-bit word per job and round, so a
 chunk restored to the wrong place or from the wrong round is caught, not just
 a lost one. A mismatch is counted and reported, never raised.
 
+With ``--plan-dir D`` the number of rounds is planned during the run
+(``check.py`` sizes it from the first measured switch): the first job to get
+a turn that came with a restore writes ``D/first-turn.json`` (its switch time
+and its verify and fill time) and, still holding the GPU so that no job moves
+on, waits for ``D/plan.json`` (``{"rounds": N}``); every job reads the plan
+after each of its turns and stops after round ``min(N, --rounds)``. Both files
+are created once, atomically (``os.link`` of a finished file), so every job
+reads the same plan; a job that waits in vain (``--plan-timeout``) writes
+``--rounds`` as the plan itself.
+
 Prints one JSON object on stdout at the end; exit status 0 when every round
 ran and every byte matched, 1 otherwise.
 """
@@ -54,6 +64,8 @@ CHUNK = 64 * MiB  # one verification copy; allocations are split into chunks of 
 MAX_ALLOC = GiB  # the largest single allocation
 ALIGN = 2 * MiB  # allocation sizes are rounded up to this (the VMM granularity of current GPUs)
 MAX_SAMPLES = 5  # mismatches described in detail
+FIRST_TURN = "first-turn.json"
+PLAN = "plan.json"
 
 
 def bootstrap() -> None:
@@ -103,6 +115,56 @@ class Driver:
         self("cuInit", 0)
         device = self("cuDeviceGet", ordinal)
         return device, self("cuDevicePrimaryCtxRetain", device)
+
+
+class HostDriver:
+    """A host stand-in for the CUDA calls a job makes, over ``HostDeviceMemory``: the check's own tests need no GPU.
+
+    Only what :class:`Memory` calls with the offload method; device pointers
+    are the fake addresses of the host device memory, host buffers are real
+    ``ctypes`` memory (so :func:`uniform` reads them as it reads pinned memory).
+    """
+
+    def __init__(self, memory: Any) -> None:
+        self.memory = memory
+        self._buffers: dict[int, Any] = {}
+
+    def __call__(self, name: str, *args: Any) -> Any:
+        call = getattr(self, f"_{name}", None)
+        if call is None:
+            raise CudaError(name, _NotSupported())
+        return call(*args)
+
+    def ptr(self, address: int) -> int:
+        return address
+
+    def primary_context(self, ordinal: int) -> tuple[Any, Any]:
+        return ordinal, None
+
+    def _cuCtxSetCurrent(self, context: Any) -> None:
+        return None
+
+    def _cuMemHostAlloc(self, nbytes: int, flags: int) -> int:
+        buf = (ctypes.c_char * nbytes)()
+        address = ctypes.addressof(buf)
+        self._buffers[address] = buf
+        return address
+
+    def _cuMemsetD32(self, ptr: int, value: int, count: int) -> None:
+        self.memory.write(ptr, struct.pack("<I", value) * count)
+
+    def _cuMemcpyDtoH(self, host: int, ptr: int, nbytes: int) -> None:
+        ctypes.memmove(host, self.memory.read(ptr, nbytes), nbytes)
+
+    def _cuCtxSynchronize(self) -> None:
+        self.memory.synchronize()
+
+
+class _NotSupported(int):
+    name = "CUDA_ERROR_NOT_SUPPORTED (the host stand-in has no such call)"
+
+    def __new__(cls) -> _NotSupported:
+        return super().__new__(cls, 801)
 
 
 _libc: Any = None
@@ -348,6 +410,67 @@ def wait_until_peers_done(address: str, me: str, slices: int, timeout: float) ->
         time.sleep(0.1)
 
 
+# --- the plan -------------------------------------------------------------------------
+
+
+def write_once(path: Path, data: dict[str, Any]) -> bool:
+    """Create ``path`` holding ``data`` unless it exists, atomically; whether this call created it.
+
+    The content is written to a private file first and linked into place:
+    ``link(2)`` fails with EEXIST when the name exists, so a reader never sees
+    a half-written file and only one writer wins.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def planned_rounds(plan_dir: Path, asked: int) -> int | None:
+    """The rounds of the plan in ``plan_dir`` (at most ``asked``), or None while there is none."""
+    plan = read_json(plan_dir / PLAN)
+    if plan is None or not isinstance(plan.get("rounds"), int):
+        return None
+    return max(1, min(asked, int(plan["rounds"])))
+
+
+def announce(plan_dir: Path, job: str, record: Round, asked: int, timeout: float) -> str | None:
+    """Write the first restored turn (unless another job did) and wait for the plan; a note if it never came."""
+    first = {
+        "job": job,
+        "round": record.round,
+        "switch_s": record.switch_s,
+        "waited_s": record.waited_s,
+        "verify_s": record.verify_s,
+        "fill_s": record.fill_s,
+        "at": time.monotonic(),
+    }
+    if not write_once(plan_dir / FIRST_TURN, first):
+        return None
+    deadline = time.monotonic() + timeout
+    while not (plan_dir / PLAN).exists():
+        if time.monotonic() > deadline:
+            why = f"no plan within {timeout:.0f}s of the first restored turn; every job takes all {asked} rounds"
+            if write_once(plan_dir / PLAN, {"rounds": asked, "by": job, "why": why}):
+                return why
+            return None
+        time.sleep(0.02)
+    return None
+
+
 # --- the job ----------------------------------------------------------------------------
 
 
@@ -393,11 +516,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     memory = Memory(seed=zlib.crc32(args.job.encode()), gpu=args.gpu)
     client: Any = None
     rounds: list[Round] = []
+    planned = args.rounds  # lowered by the plan, if there is one
     try:
-        torch, torch_why = load_torch(args.torch)
-        memory.cu = Driver()
         executor: Any = None
-        if args.method == "offload":
+        if args.host_memory:
+            from timesliced.client.offload import HostDeviceMemory, Offloader
+
+            if args.method != "offload":
+                raise RuntimeError("--host-memory runs the offload method only")
+            device = HostDeviceMemory(bandwidth=args.host_bandwidth * 1e9 or None)
+            memory.cu = HostDriver(device)
+            memory.offloader = Offloader(device, verify=False)
+            executor = memory.offloader
+            torch_why = "--host-memory"
+        else:
+            torch, torch_why = load_torch(args.torch)
+            memory.cu = Driver()
+        if args.method == "offload" and not args.host_memory:
             from timesliced.client.offload import CombinedOffload, CudaDeviceMemory, Offloader
 
             memory.offloader = Offloader(CudaDeviceMemory(), verify=False)
@@ -410,7 +545,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client = Client(args.job, GROUP, address=args.socket, gpus=[args.gpu], park=args.method, offloader=executor)
         client.connect()
         wait_for_peers(args.socket, args.peers, args.start_timeout)
-        for rnd in range(args.rounds + 1):
+        plan_dir = Path(args.plan_dir) if args.plan_dir else None
+        rnd = 0
+        while rnd <= planned:
             with client.slice(timeout=args.acquire_timeout) as grant:
                 record = Round(rnd, grant.restored, grant.switch_s, grant.waited_s)
                 rounds.append(record)
@@ -431,7 +568,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     memory.fill(rnd)
                 record.fill_s = spent[0]
                 record.done = True
-        if args.peers > 1 and not wait_until_peers_done(args.socket, args.job, args.rounds + 1, args.end_timeout):
+                if plan_dir is not None and grant.restored and rnd >= 1:
+                    # Still holding the GPU: no job takes another turn until the plan is there.
+                    note = announce(plan_dir, args.job, record, args.rounds, args.plan_timeout)
+                    if note:
+                        report["notes"].append(note)
+            rnd += 1
+            if plan_dir is not None:
+                planned = planned_rounds(plan_dir, args.rounds) or planned
+        if args.peers > 1 and not wait_until_peers_done(args.socket, args.job, planned + 1, args.end_timeout):
             report["notes"].append(f"the other jobs had not finished {args.end_timeout:.0f}s after this one")
     except Exception as exc:
         report["errors"].append(f"{type(exc).__name__}: {exc}")
@@ -450,7 +595,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mismatches=[m.to_dict() for m in memory.mismatches],
         seconds=time.perf_counter() - started,
     )
-    report["ok"] = not report["errors"] and memory.data_errors == 0 and report["rounds_done"] == args.rounds
+    report["rounds_planned"] = planned
+    report["ok"] = (
+        not report["errors"] and memory.data_errors == 0 and report["rounds_done"] == report["rounds_planned"]
+    )
     return report
 
 
@@ -468,6 +616,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=60.0)
     p.add_argument("--acquire-timeout", type=float, default=120.0)
     p.add_argument("--end-timeout", type=float, default=120.0)
+    p.add_argument("--plan-dir", default=None, help="plan the rounds with check.py through this folder")
+    p.add_argument("--plan-timeout", type=float, default=15.0, help="seconds to wait for the plan")
+    p.add_argument(
+        "--host-memory",
+        action="store_true",
+        help="offload only: device memory in host buffers, no GPU (the check's own tests)",
+    )
+    p.add_argument("--host-bandwidth", type=float, default=0.0, help="with --host-memory: copy GB/s (0: unlimited)")
     return p
 
 
