@@ -21,7 +21,7 @@ may exist: no ``python`` alias, no ``pip`` script, no virtualenv.
   lack ``CUcheckpointRestoreArgs`` or usable checkpoint support and are
   excluded, for ``cuda-python`` and for the ``cuda-bindings`` it pulls in.
   Where ``timesliced.backends.cuda_driver`` offers such a rule itself
-  (``cuda_python_requirement(cuda_driver_version)``), that one is used.
+  (``bindings_requirement(cuda_driver_version)``), that one is used.
 - **Where it installs:** ``python3 -m pip install --target DIR`` into a folder of
   the check's own (``tests/gpu/.deps/py3X-cuN``, or ``$TIMESLICED_GPU_CHECK_DEPS``),
   put first on ``PYTHONPATH``. A target folder needs no virtualenv module,
@@ -57,8 +57,8 @@ MIN_CUDA = 12080  # the checkpoint driver API arrived with CUDA 12.8 (driver r57
 NEWEST_MAJOR = 13  # the newest cuda-python major known; a newer driver runs it (backward compatible)
 KNOWN_BAD = ("13.0.0", "13.0.1", "13.3.0")  # no CUcheckpointRestoreArgs, or no usable checkpoint support
 CUDA_DISTRIBUTIONS = ("cuda-python", "cuda-bindings")
-# Names a rule in timesliced.backends.cuda_driver may have: (cuda_driver_version: int) -> str | list[str].
-HELPER_NAMES = ("cuda_python_requirement", "cuda_python_requirements", "pip_requirement", "pip_requirements")
+# The rule of timesliced.backends.cuda_driver (bindings_requirement: cuda_driver_version -> requirement).
+HELPER_NAMES = ("bindings_requirement", "cuda_python_requirement", "pip_requirement")
 
 # What the check imports, by distribution: the package's own dependencies, and the test tools
 # of its ``test`` extra that tests/gpu uses (the browser and property-testing tools it does not).

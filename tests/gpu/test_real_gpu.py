@@ -119,7 +119,7 @@ def test_torch_offload_round_trip_on_cuda() -> None:
 
     parked = offload.park()
     assert parked.nbytes >= 256 * MiB
-    assert big.numel() == 0
+    assert big.untyped_storage().nbytes() == 0 and big.numel() == 64 * MiB  # parked per storage: shape kept
     assert torch.cuda.memory_allocated(device) <= allocated - 256 * MiB
 
     restored = offload.unpark()
@@ -128,6 +128,74 @@ def test_torch_offload_round_trip_on_cuda() -> None:
         assert t.is_cuda and torch.equal(t.detach().cpu(), want)
     model(torch.randn(8, 1024, device=device)).sum().backward()  # still a working model
     optimizer.step()
+
+
+def test_cuda_ordinals_match_nvml_by_uuid() -> None:
+    """The client numbers a process's CUDA devices by UUID (CUDA's and NVML's must agree on real hardware)."""
+    from timesliced.client.gpus import discover
+
+    numbering = discover()
+    assert not numbering.problem and numbering.nodes is not None and numbering.nodes, numbering
+
+
+def test_the_driver_says_a_live_process_without_cuda_has_no_state() -> None:
+    """``CUDA_ERROR_NOT_INITIALIZED`` (or ``INVALID_VALUE``) for a live non-CUDA PID means "no CUDA state"."""
+    import subprocess
+
+    from timesliced.backends.cuda_driver import CudaDriver, no_cuda_state
+
+    driver = CudaDriver()
+    driver.init()
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        result, _ = driver.get_state(child.pid)
+        assert no_cuda_state(result), result
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_daemon_driver_sees_every_gpu_nvml_knows(nvml: Any) -> None:
+    from timesliced.backends.cuda_driver import CudaDriver
+
+    driver = CudaDriver()
+    driver.init()
+    result, uuids = driver.devices()
+    assert result == 0, result
+    assert {d.uuid.lower() for d in nvml.devices()} <= {u.lower() for u in uuids}
+
+
+@pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
+def test_a_torch_park_waits_for_work_queued_on_another_stream() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch is installed without CUDA")
+    from timesliced.client.offload import TorchOffload
+
+    x = torch.zeros(64 * MiB, device="cuda")
+    view = x[1:]
+    offload = TorchOffload(verify=True)
+    offload.register(x, tag="w")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(2e8))  # keeps the side stream busy before the fill lands
+        x.fill_(7)
+    offload.park()
+    offload.unpark()
+    assert bool((x == 7).all()) and view.data_ptr() - x.data_ptr() == 4  # the view still shares x's storage
+
+
+def test_tensors_in_a_cuda_graph_pool_are_refused() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch is installed without CUDA")
+    from timesliced.client.offload import TorchOffload
+
+    graph, source = torch.cuda.CUDAGraph(), torch.zeros(1024, device="cuda")
+    with torch.cuda.graph(graph):
+        out = source * 2
+    with pytest.raises(ValueError, match="private memory pool"):
+        TorchOffload().register(out, tag="t")
 
 
 # The two runs below plan their rounds from the first switch (at most the rounds asked), so a slow

@@ -351,8 +351,9 @@ class Memory:
     def _verify_tensor(self, rnd: int) -> int:
         value = self._torch_value(rnd)
         t = self.tensor
-        if t.numel() != self.tensor_numel:
-            return self._record(rnd, "torch", 0, f"{self.tensor_numel} elements", f"{t.numel()} (still parked?)")
+        if t.untyped_storage().nbytes() != self.tensor_numel * 4:  # parked per storage: the shape stays
+            have = t.untyped_storage().nbytes()
+            return self._record(rnd, "torch", 0, f"{self.tensor_numel * 4} bytes", f"{have} (still parked?)")
         wrong = int((t != value).count_nonzero().item())
         if wrong:
             return self._record(rnd, "torch", 0, f"{value:#x} everywhere", f"{wrong} elements differ")

@@ -407,13 +407,13 @@ def bindings_requirement(cuda_version: int) -> str:
     The bindings' major must not be newer than the driver's CUDA major (bindings built
     for CUDA 13 cannot use a CUDA 12 driver), and the release must have every checkpoint
     piece (:data:`KNOWN_BAD_BINDINGS` excluded). A driver newer than any major known here
-    gets its own major's bindings. Pure. Raises ``ValueError`` for a driver older than
-    CUDA 12.8, which has no checkpoint API at all.
+    gets the newest known major's bindings: the driver API is backward compatible, and
+    bindings of an unreleased major would not install. Pure. Raises ``ValueError`` for a
+    driver older than CUDA 12.8, which has no checkpoint API at all.
     """
     if cuda_version < MIN_CUDA:
         raise ValueError(f"CUDA {cuda_text(cuda_version)} has no checkpoint API (needs {cuda_text(MIN_CUDA)})")
-    major = cuda_version // 1000
-    return _REQUIREMENTS.get(major, f"cuda-bindings>={major}.0,<{major + 1}")
+    return _REQUIREMENTS[min(cuda_version // 1000, max(_REQUIREMENTS))]
 
 
 def install_command(cuda_version: int) -> str:
