@@ -2,7 +2,8 @@
 
 Everything timesliced asks the driver about a real GPU goes through :class:`Nvml`:
 which GPUs there are, the driver version, memory, utilization and the processes
-that hold device memory. Nothing else imports ``pynvml``.
+that hold device memory. Nothing else imports ``pynvml`` but ``client/gpus.py``, which reads the GPUs' UUIDs to
+number a process's CUDA devices (the client may not import this module).
 
 - :meth:`Nvml.open` never raises for a machine without a usable driver: it returns
   a handle whose ``available`` is false and whose ``state`` / ``reason`` say why
