@@ -183,7 +183,7 @@ def test_admin_actions_need_the_token(served: ServedApp, source: EvolvingSource,
     expect(page.locator('#group-actions button[data-action="resume"]')).to_be_enabled()
     page.locator('#group-actions button[data-action="resume"]').click()
     expect(page.locator("#group-head")).not_to_contain_text("draining")
-    assert source.calls[-1] == ("drain", ("pool", False))
+    assert source.calls[-1] == ("resume", "pool")
 
 
 def _normalise(html: str) -> str:
