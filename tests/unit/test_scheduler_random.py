@@ -669,6 +669,7 @@ def run(rng: random.Random, steps: int) -> Run:
     return r
 
 
+@pytest.mark.slow
 def test_the_model_sees_failures_of_both_kinds_and_waiters_told_why() -> None:
     """The runs reach what they are meant to check: intact and damaged failures, and waiters told why."""
     runs = [run(random.Random(seed), 2500) for seed in range(4)]

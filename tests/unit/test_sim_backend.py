@@ -320,6 +320,7 @@ def test_failed_restore_leaves_the_job_parked_without_leaking_pages(sims: Sims, 
         victim.unlink()
     else:
         os.truncate(victim, PAGE)
+    assert b.verify("a") == "faulted"  # what an operator's resume asks first: the copy is not whole
     with pytest.raises(errors.BackendError) as caught:
         asyncio.run(b.restore("a"))
     assert not errors.state_intact(caught.value)  # its parked copy is damaged: the job is faulted
@@ -346,7 +347,7 @@ def test_failed_snapshot_leaves_the_job_resident(sims: Sims, monkeypatch: pytest
         asyncio.run(b.snapshot("a"))
     assert errors.state_intact(caught.value) and caught.value.details == {"job": "a", "needed": 5 * PAGE}
     assert "bytes free); the job stays resident, whole" in caught.value.message
-    assert b.job_state("a") == "resident" and r.checksum() == digest
+    assert b.job_state("a") == "resident" and b.verify("a") == "resident" and r.checksum() == digest
     assert b.free_bytes(0) == 27 * PAGE and not (b.root / "parked" / job_key("a")).exists()
     monkeypatch.undo()
     assert asyncio.run(b.snapshot("a")).nbytes == 5 * PAGE

@@ -253,6 +253,27 @@ class SimBackend:
                 return "unknown"
             return "resident" if j.state == PARKING else STATE_NAMES[j.state]
 
+    def verify(self, job: str) -> str:
+        """``job_state``, with a parked job's files checked: ``faulted`` if one is missing or cut short.
+
+        What an operator's resume asks before it clears a fault: a parked copy that cannot be
+        restored whole is not a cause that has gone.
+        """
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                return "unknown"
+            if j.state == PARKED and j.move is None:
+                folder = parked_dir(self.root, j.name)
+                for r in j.regions.values():
+                    path = folder / f"{r.region}.bin"
+                    try:
+                        if path.stat().st_size != r.nbytes:
+                            return "faulted"
+                    except OSError:
+                        return "faulted"
+            return "resident" if j.state == PARKING else STATE_NAMES[j.state]
+
     def regions(self, job: str) -> list[RegionInfo]:
         """The job's regions, so a daemon can hand them to clients again after a restart."""
         with self._lock:

@@ -34,7 +34,7 @@ from ..telemetry import MoveLog, SimGpuSource, Telemetry
 from ..util.compat import TaskGroup
 from ..util.processes import pid_alive
 from ..version import __version__
-from ..wire.park import FREEZING
+from ..wire.park import ENGINES, FREEZING
 from ..wire.status import Status
 from .crash import CrashPoints
 from .dashboard_source import DaemonView
@@ -356,8 +356,13 @@ class Daemon:
         sim = self.parking.sim
         if core is None or spec is None or spec.method != "sim" or sim is None or not core.faulted:
             return  # the core refuses what is unknown or not faulted; other backends cannot tell
-        state = sim.job_state(job)
-        if state == "faulted" or (state in ("resident", "parked") and state != core.location.value):
+        state = sim.verify(job)
+        if state == "faulted":
+            raise errors.JobFaulted(
+                f"job {job!r} cannot be resumed: its simulated GPU state is lost (its device copy, or a parked "
+                "file, is gone); end the job and start it again"
+            )
+        if state in ("resident", "parked") and state != core.location.value:
             raise errors.JobFaulted(
                 f"job {job!r} cannot be resumed: its simulated GPU state is {state}, not {core.location.value} "
                 "as the scheduler has it; end the job and start it again"
@@ -521,9 +526,14 @@ class Daemon:
             if spec is None or local.gone:
                 continue
             target = self.jobs.target(self.cluster, name)
+            # What its park is expected to put in host memory: its device memory (a checkpoint copies all of
+            # it; offload and an engine's level 1 copy a part). A simulated job's is the scheduler's own
+            # count, and an engine at sleep level 2 discards its weights: nothing is measured for those.
             measured = sum(sum(per_pid.get(pid, {}).values()) for pid in target.pids)
             size = measured or sum(self.jobs.measured.get(name, {}).values())
-            out.append(JobPlace(name, spec.method, target.pids, 0 if spec.method == "sim" else size))
+            if spec.method == "sim" or (spec.method in ENGINES and spec.level == 2):
+                size = 0
+            out.append(JobPlace(name, spec.method, target.pids, size))
         return out
 
     async def _watch_host(self) -> None:
