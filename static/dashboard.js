@@ -115,7 +115,8 @@
 
   const locBadges = (j) =>
     `<span class="badge loc-${esc(j.location)}">${esc(j.location)}</span>` +
-    (j.faulted ? `<span class="badge faulted" title="${esc(j.faulted)}">faulted</span>` : "");
+    (j.faulted ? `<span class="badge faulted" title="${esc(j.faulted)}">faulted</span>` : "") +
+    (j.park_refused ? `<span class="badge refused" title="${esc(j.park_refused)}">park refused</span>` : "");
 
   function meter(x) {
     const width = isNum(x) ? fixed(Math.min(Math.max(x, 0), 1) * 100, 1) : "0.0";
@@ -230,16 +231,50 @@
 
   function jobsRows(st) {
     const jobs = items(st.jobs);
-    if (!jobs.length) return `<tr><td colspan="8" class="empty">no jobs registered</td></tr>`;
+    if (!jobs.length) return `<tr><td colspan="9" class="empty">no jobs registered</td></tr>`;
     return jobs
       .map(
         (j) =>
           `<tr data-job="${esc(j.job)}"><td>${jobLink(j.job)}</td><td>${groupLink(j.group)}</td><td>${locBadges(j)}</td>` +
           `<td>${esc(j.park || "—")}</td><td class="num">${fmtNum(j.slices)}</td>` +
           `<td class="num">${fmtDuration(j.gpu_seconds)}</td><td class="num">${fmtDuration(j.median_wait_s)}</td>` +
-          `<td class="num">${fmtBytes(j.bytes_moved)}</td></tr>`
+          `<td class="num">${fmtBytes(j.bytes_moved)}</td><td class="num">${fmtBytes(j.parked_bytes)}</td></tr>`
       )
       .join("");
+  }
+
+  function hostRows(st) {
+    const nodes = items(st.host);
+    if (!nodes.length) return `<tr><td colspan="8" class="empty">no reading of the host yet: parks are not limited</td></tr>`;
+    const members = Array.isArray(obj(st.cluster).members) ? obj(st.cluster).members : [];
+    return nodes
+      .map((h) => {
+        const pools = Object.entries(obj(h.pools));
+        const poolText = pools.length
+          ? pools.map(([pool, p]) => `${esc(pool)}: ${fmtBytes(obj(p).parked)} of ${fmtBytes(obj(p).budget)}`).join(", ")
+          : "—";
+        const node = isNum(h.slot) && h.slot < members.length ? members[h.slot] : h.slot;
+        return (
+          `<tr data-slot="${esc(h.slot)}"><td>${esc(node)}</td><td class="num">${fmtBytes(h.budget)}</td>` +
+          `<td class="num">${fmtBytes(h.parked)}</td><td class="num">${fmtBytes(h.reserved)}</td>` +
+          `<td class="num">${fmtBytes(h.freeing)}</td><td class="num">${fmtBytes(h.room)}</td>` +
+          `<td class="num">${fmtBytes(h.limit)}</td><td>${poolText}</td></tr>`
+        );
+      })
+      .join("");
+  }
+
+  function hostReading(st) {
+    const r = obj(st.host_memory);
+    if (!isNum(r.age_s)) return "This node has not read its host's memory yet.";
+    const cg = isObj(r.cgroup) ? r.cgroup : null;
+    const tmpfs = isObj(r.tmpfs) ? r.tmpfs : null;
+    return (
+      `This node: MemAvailable ${fmtBytes(r.available)}, ${fmtBytes(r.margin)} kept free` +
+      (cg ? `; cgroup ${esc(cg.path)} ${fmtBytes(cg.used)} of ${isNum(cg.limit) ? fmtBytes(cg.limit) : "no limit"}` : "") +
+      (tmpfs ? `; tmpfs ${esc(tmpfs.path)} ${fmtBytes(tmpfs.free)} free of ${fmtBytes(tmpfs.size)}` : "") +
+      (r.error ? `; <span class="fault">${esc(r.error)}</span>` : "")
+    );
   }
 
   function groupDetail(st, name) {
@@ -270,7 +305,8 @@
     `<dt>Held for</dt><dd>${g.holder ? fmtDuration(g.held_s) : "—"}</dd>` +
     `<dt>Fence</dt><dd>${fmtNum(g.fence)}</dd>` +
     `<dt>Draining</dt><dd>${g.draining ? "yes" : "no"}${isNum(g.deferred) && g.deferred > 0 ? ` (${esc(g.deferred)} requests deferred)` : ""}</dd>` +
-    `<dt>Maximum slice</dt><dd>${sliceCell(g)}</dd>`;
+    `<dt>Maximum slice</dt><dd>${sliceCell(g)}</dd>` +
+    (g.waiting_for ? `<dt>Next waits for</dt><dd class="waiting">${esc(g.waiting_for)}</dd>` : "");
 
   const sliceCell = (g) =>
     !isNum(g.max_slice_s)
@@ -378,6 +414,8 @@
       `<dt>Snapshots / restores</dt><dd>${fmtNum(j.snapshots)} / ${fmtNum(j.restores)}</dd>` +
       `<dt>GPU time held</dt><dd>${fmtDuration(j.gpu_seconds)}</dd>` +
       `<dt>Median queue wait</dt><dd>${fmtDuration(j.median_wait_s)}</dd><dt>Bytes moved</dt><dd>${fmtBytes(j.bytes_moved)}</dd>` +
+      `<dt>Parked in host memory</dt><dd>${fmtBytes(j.parked_bytes)}</dd>` +
+      (j.park_refused ? `<dt>Park refused</dt><dd class="fault">${esc(j.park_refused)}</dd>` : "") +
       (j.faulted ? `<dt>Fault</dt><dd class="fault">${esc(j.faulted)}</dd>` : "")
     );
   }
@@ -475,6 +513,8 @@
       setHTML($("#gpus"), gpuCards(st));
       setHTML($("#groups-body"), groupsRows(st));
       setHTML($("#jobs-body"), jobsRows(st));
+      setHTML($("#host-body"), hostRows(st));
+      setHTML($("#host-reading"), hostReading(st));
     } else if (page === "group") {
       const g = groupDetail(st, pageName);
       banner("#gone-banner", g ? "" : `The group ${pageName} no longer exists on this daemon; this is its last known state.`);
@@ -484,7 +524,7 @@
         setHTML($("#group-stats"), groupStats(g));
         setHTML($("#group-queue-body"), queueRows(g));
         setHTML($("#group-members-body"), memberRows(st, g));
-        updateActionButtons(g);
+        updateGroupButtons(st, g);
       }
     } else if (page === "job") {
       const j = jobDetail(st, pageName);
@@ -496,6 +536,7 @@
         setHTML($("#job-state-body"), jobStateRows(j));
         setHTML($("#job-processes-body"), processRows(j));
         setHTML($("#job-moves-body"), moveRows(j));
+        setDisabled("#job-actions", "resume", !j.faulted);
       }
     }
     updates += 1;
@@ -821,18 +862,21 @@
     resume: { done: "Resumed" },
   };
 
-  function updateActionButtons(g) {
-    const set = (action, disabled) => {
-      const button = $(`#group-actions button[data-action="${action}"]`);
-      if (button && !button.dataset.busy) button.disabled = disabled;
-    };
-    set("release", !g.holder);
-    set("drain", !!g.draining);
-    set("resume", !g.draining);
+  function setDisabled(panel, action, disabled) {
+    const button = $(`${panel} button[data-action="${action}"]`);
+    if (button && !button.dataset.busy) button.disabled = disabled;
   }
 
-  function initGroupActions() {
-    const panel = $("#group-actions");
+  function updateGroupButtons(st, g) {
+    // Resume undoes a drain and clears the faults of the group's jobs: it has work when either is there.
+    const faulted = items(st.jobs).some((j) => j.group === g.group && j.faulted);
+    setDisabled("#group-actions", "release", !g.holder);
+    setDisabled("#group-actions", "drain", !!g.draining);
+    setDisabled("#group-actions", "resume", !g.draining && !faulted);
+  }
+
+  function initActions(kind) {
+    const panel = $(`#${kind}-actions`);
     if (!panel) return;
     const msg = $("#action-msg");
     for (const button of $$("button[data-action]", panel)) {
@@ -864,7 +908,7 @@
         button.dataset.busy = "1";
         button.disabled = true;
         try {
-          const response = await fetch(`${API}/groups/${seg(pageName)}/${action}`, {
+          const response = await fetch(`${API}/${kind}s/${seg(pageName)}/${action}`, {
             method: "POST",
             headers: { Authorization: `Bearer ${token}` },
             cache: "no-store",
@@ -895,7 +939,7 @@
     hydrateTimes(document);
     initAdmin();
     if (!["overview", "group", "job", "timeline"].includes(page)) return;
-    if (page === "group") initGroupActions();
+    if (page === "group" || page === "job") initActions(page);
     if (page === "timeline") {
       const box = $("#timeline");
       live.timelineWindow = box ? Number(box.dataset.window) : 600;

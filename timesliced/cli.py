@@ -162,6 +162,22 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op-timeout", type=float, default=600.0, metavar="S", help="one snapshot or restore, any method")
     p.add_argument("--engine-timeout", type=float, default=120.0, metavar="S", help="vllm/sglang: one sleep or wake")
     p.add_argument("--offload-verify", action="store_true", help="offload: checksum every region after restore")
+    host = p.add_argument_group("host memory for parked state")
+    host.add_argument(
+        "--host-memory-limit",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="a budget for all parked state on this node (default: what the host and its cgroups allow, less a "
+        "margin); a park that does not fit is not started, and the job that needed it is told why",
+    )
+    host.add_argument(
+        "--host-memory-margin",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="host memory kept free of parked state (default: 5%% of the host's memory, 512MiB to 8GiB)",
+    )
     slices = p.add_argument_group("leases and slices")
     slices.add_argument(
         "--max-slice",
@@ -223,6 +239,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         offload_verify=args.offload_verify,
         lease=args.lease,
         recovery_grace=args.recovery_grace,
+        host_memory_limit=args.host_memory_limit,
+        host_memory_margin=args.host_memory_margin,
     )
     try:
         config.slice_policies = dict(
@@ -446,17 +464,39 @@ def format_status(status: dict[str, Any]) -> str:
                 f"      max slice={g['max_slice_s']:g}s then {g['slice_action']}{overdue}  "
                 f"preemptions={g.get('preemptions', 0)}"
             )
+        if g.get("waiting_for"):
+            lines.append(f"      next waits for {g['waiting_for']}")
     if not status["groups"]:
         lines.append("  (none)")
     lines += ["", "JOBS"]
     for j in status["jobs"]:
         fault = f"  FAULTED: {j['faulted']}" if j["faulted"] else ""
+        refused = f"  park refused: {j['park_refused']}" if j.get("park_refused") else ""
+        parked = f"  parked={_size(j['parked_bytes'])}" if j.get("parked_bytes") else ""
         lines.append(
             f"  {j['job']}  group={j['group']}  park={j.get('park')}  state={j['location']}  slices={j['slices']}  "
-            f"restores={j['restores']}  gpu-s={j['gpu_seconds']:.1f}  pids={j['pids']}{fault}"
+            f"restores={j['restores']}  gpu-s={j['gpu_seconds']:.1f}  pids={j['pids']}{parked}{fault}{refused}"
         )
     if not status["jobs"]:
         lines.append("  (none)")
+    lines += ["", "HOST MEMORY FOR PARKED STATE"]
+    members = (status.get("cluster") or {}).get("members") or []
+    for h in status.get("host") or []:
+        node = members[h["slot"]] if 0 <= h["slot"] < len(members) else h["slot"]
+        limit = f"  limit={_size(h['limit'])}" if h.get("limit") is not None else ""
+        pools = "  ".join(f"{p}={_size(v['parked'])}/{_size(v['budget'])}" for p, v in h.get("pools", {}).items())
+        lines.append(
+            f"  {node}  parked={_size(h['parked'])} / budget {_size(h['budget'])}  under way={_size(h['reserved'])}  "
+            f"being freed={_size(h['freeing'])}{limit}" + (f"  {pools}" if pools else "")
+        )
+    reading = status.get("host_memory") or {}
+    if reading.get("age_s") is not None:
+        available = _size(reading["available"]) if reading.get("available") is not None else "unknown"
+        lines.append(f"  this node: MemAvailable {available}, margin {_size(reading['margin'])}")
+        if reading.get("error"):
+            lines.append(f"  cannot read: {reading['error']}")
+    elif not status.get("host"):
+        lines.append("  (not read yet)")
     counters = " ".join(f"{name.replace('_', ' ')}={n}" for name, n in status["counters"].items())
     lines += ["", f"connections {counters}"]
     return "\n".join(lines)

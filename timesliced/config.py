@@ -100,6 +100,13 @@ class DaemonConfig:
     # group -> how long a holder may keep it while others wait ("*": every other group)
     slice_policies: dict[str, SlicePolicy] = field(default_factory=dict)
     lease: float = 30.0  # a client connection silent this long is closed (clients send heartbeats); 0: never
+    # Host memory for parked state (daemon/host_memory.py): a budget for all of it on this node (None: what
+    # the host and its cgroups allow, less the margin), the margin (None: 5% of the host's memory, 512 MiB
+    # to 8 GiB), and how often the host is read (also after every move).
+    host_memory_limit: int | None = None
+    host_memory_margin: int | None = None
+    host_memory_interval: float = 1.0
+    host_root: Path = Path("/")  # where /proc and /sys are read from (tests point it at a fake tree)
     recovery_grace: float = 30.0  # after a restart, how long the jobs of the journal keep their turns
     # Fault injection for crash tests: points at which the daemon kills itself with SIGKILL
     # (CRASH_POINTS: before, in the middle of and after a snapshot or a restore; as a grant is made).

@@ -140,9 +140,21 @@ class AcquireCancelled(TimeslicedError):
 
 
 class JobFaulted(TimeslicedError):
-    """The job's GPU state could not be parked or restored; it is faulted."""
+    """The job's GPU state is damaged or unknown after a failed move; it is faulted until an operator resumes it."""
 
     code = "job_faulted"
+
+
+class PreemptionUnsafe(TimeslicedError):
+    """The group preempts holders, and the job's parking method cannot park a process that did not yield."""
+
+    code = "preempt_unsafe"
+
+
+class SwitchFailed(TimeslicedError):
+    """The switch to this job could not be made (a park or a restore failed, or room cannot be made now)."""
+
+    code = "switch_failed"
 
 
 class LimitExceeded(TimeslicedError):
@@ -200,6 +212,41 @@ class InsufficientMemory(BackendError):
     """A restore was refused because the GPU does not have the free memory the job needs."""
 
     code = "insufficient_memory"
+
+
+class StateIntact:
+    """A marker for a failed move that left the job's state intact where it was.
+
+    A backend raises an error that is also a ``StateIntact`` (``ParkRefused``, ``RestoreRefused``,
+    ``InsufficientHostMemory``, or a class of its own that inherits this marker) when it knows that
+    the job is still whole where the move began: a snapshot that did not start or was rolled back
+    (the job is resident and runs on), a restore that left the parked copy untouched. The scheduler
+    then keeps the job usable and retries later; any other failure faults the job (its state is
+    damaged or unknown) until an operator resumes it.
+    """
+
+
+class ParkRefused(BackendError, StateIntact):
+    """A backend did not park the job, and its state is intact where it was (still on its GPUs)."""
+
+    code = "park_refused"
+
+
+class RestoreRefused(BackendError, StateIntact):
+    """A backend did not restore the job, and its parked state is intact (in host memory)."""
+
+    code = "restore_refused"
+
+
+class InsufficientHostMemory(TimeslicedError, StateIntact):
+    """The host cannot hold the parked state a park needs (host memory, a cgroup's limit, the budget)."""
+
+    code = "insufficient_host_memory"
+
+
+def state_intact(exc: BaseException) -> bool:
+    """Whether a failed move's ``exc`` says that the job's state is intact where the move began."""
+    return isinstance(exc, StateIntact)
 
 
 class EndpointError(BackendError):

@@ -9,13 +9,15 @@ registry is never touched):
   many bytes it moved (histograms and a counter);
 - *the daemon's picture*, read at scrape time from its ``status()`` document by
   a custom collector: queue depth, holder, state, per-GPU duty and memory,
-  per-job GPU seconds and location. The scheduler already knows these, so they
-  are never copied into gauges that could drift from it.
+  per-job GPU seconds, location and parked bytes, and each node's host memory
+  budget for parked state. The scheduler already knows these, so they are never
+  copied into gauges that could drift from it.
 
 Labels are bounded: ``group`` and ``gpu`` come from the node's configuration,
-``kind`` and ``method`` from fixed sets, and ``job`` is capped at ``max_jobs``
-series (see :class:`Metrics`). No series is ever labelled with a session,
-request, pid or ticket.
+``node`` from the cluster's members, ``kind`` and ``method`` from fixed sets,
+and ``job`` is capped at ``max_jobs`` series (see :class:`Metrics`). No series
+is ever labelled with a session, request, pid, ticket or cgroup path (a pool's
+figures are in ``status``, not here).
 """
 
 from __future__ import annotations
@@ -218,6 +220,9 @@ class StatusCollector:
         f.uptime.add_metric([], float(status.get("uptime_s", 0.0)))
         for g in status.get("groups", ()):
             _add_group(f, g)
+        members = list((status.get("cluster") or {}).get("members") or [])
+        for h in status.get("host") or ():
+            _add_host(f, h, members)
         _add_gpus(f, status.get("devices") or (), (status.get("telemetry") or {}).get("gpus") or ())
         jobs = list(status.get("jobs", ()))
         kept, dropped = jobs[: self._max_jobs], len(jobs) - self._max_jobs
@@ -292,6 +297,29 @@ class _Families:
             labels=["job", "location"],
         )
         self.faulted = GaugeMetricFamily("timesliced_job_faulted", "1 if the job is faulted.", labels=["job"])
+        self.parked_bytes = GaugeMetricFamily(
+            "timesliced_job_parked_bytes", "Host memory the job's parked state takes now.", labels=["job"]
+        )
+        self.park_refused = GaugeMetricFamily(
+            "timesliced_job_park_refused",
+            "1 while the job's last park failed with its state intact and is not tried again yet.",
+            labels=["job"],
+        )
+
+        def host_gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["node"])
+
+        self.host_budget = host_gauge(
+            "timesliced_host_budget_bytes", "Host memory all parked state on the node may take (parks beyond it wait)."
+        )
+        self.host_parked = host_gauge("timesliced_host_parked_bytes", "Host memory parked state takes on the node.")
+        self.host_reserved = host_gauge(
+            "timesliced_host_reserved_bytes", "Host memory the parks under way on the node are expected to take."
+        )
+        self.host_room = host_gauge(
+            "timesliced_host_room_bytes", "What the node's host could still take at its last reading, margin kept."
+        )
+        self.host_limit = host_gauge("timesliced_host_limit_bytes", "The node's --host-memory-limit, where one is set.")
         self.jobs_dropped = GaugeMetricFamily(
             "timesliced_job_series_dropped", "Jobs left out of the job series by the cap on their number."
         )
@@ -344,6 +372,20 @@ def _add_job(f: _Families, job: Mapping[str, Any]) -> None:
     for loc in _with(LOCATIONS, location):
         f.location.add_metric([name, loc], 1.0 if loc == location else 0.0)
     f.faulted.add_metric([name], 1.0 if job.get("faulted") else 0.0)
+    if "parked_bytes" in job:  # the leader's figures: a follower's jobs have none
+        f.parked_bytes.add_metric([name], float(job["parked_bytes"]))
+        f.park_refused.add_metric([name], 1.0 if job.get("park_refused") else 0.0)
+
+
+def _add_host(f: _Families, h: Mapping[str, Any], members: list[str]) -> None:
+    slot = int(h["slot"])
+    node = [members[slot] if 0 <= slot < len(members) else str(slot)]
+    f.host_budget.add_metric(node, float(h["budget"]))
+    f.host_parked.add_metric(node, float(h["parked"]))
+    f.host_reserved.add_metric(node, float(h["reserved"]))
+    f.host_room.add_metric(node, float(h["room"]))
+    if h.get("limit") is not None:
+        f.host_limit.add_metric(node, float(h["limit"]))
 
 
 def _with(known: tuple[str, ...], value: str) -> tuple[str, ...]:

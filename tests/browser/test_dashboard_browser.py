@@ -31,7 +31,7 @@ MiB = 1 << 20
 TOKEN = "s3cret-admin-token-for-tests"
 INTERVAL = 0.2
 LIVE_SECTIONS = {
-    "/": ["#node-meta", "#nodes-body", "#gpus", "#groups-body", "#jobs-body"],
+    "/": ["#node-meta", "#nodes-body", "#gpus", "#groups-body", "#jobs-body", "#host-body", "#host-reading"],
     "/groups/pool": ["#group-head", "#group-summary", "#group-stats", "#group-queue-body", "#group-members-body"],
     "/jobs/rl-math": [
         "#job-head",
@@ -183,7 +183,44 @@ def test_admin_actions_need_the_token(served: ServedApp, source: EvolvingSource,
     expect(page.locator('#group-actions button[data-action="resume"]')).to_be_enabled()
     page.locator('#group-actions button[data-action="resume"]').click()
     expect(page.locator("#group-head")).not_to_contain_text("draining")
-    assert source.calls[-1] == ("drain", ("pool", False))
+    assert source.calls[-1] == ("resume", "pool")
+
+
+def test_a_faulted_job_is_resumed_from_its_page(served: ServedApp, source: EvolvingSource, browser_page: Page) -> None:
+    page = browser_page
+    page.goto(served.url + "/jobs/rl-code")
+    wait_live(page)
+    page.locator("#admin summary").click()
+    page.locator("#admin-token").fill(TOKEN)
+    page.locator("#admin-token").press("Enter")
+    resume = page.locator('#job-actions button[data-action="resume"]')
+    expect(resume).to_be_disabled()  # nothing to resume
+    source.faulted["rl-code"] = "snapshot failed: timed out after 600 s"
+    expect(page.locator("#job-head")).to_contain_text("faulted")
+    expect(page.locator("#job-summary")).to_contain_text("snapshot failed: timed out after 600 s")
+    expect(resume).to_be_enabled()
+    resume.click()
+    expect(page.locator("#action-msg")).to_have_text("Resumed rl-code.")
+    assert source.calls[-1] == ("resume_job", "rl-code")
+    expect(page.locator("#job-head")).not_to_contain_text("faulted")
+    expect(resume).to_be_disabled()
+
+
+def test_the_overview_shows_the_host_budget_and_what_each_job_has_parked(
+    served: ServedApp, source: EvolvingSource, browser_page: Page
+) -> None:
+    page = browser_page
+    page.goto(served.url + "/")
+    wait_live(page)
+    row = page.locator("#host-body tr[data-slot='0']")
+    expect(row).to_contain_text("node-a")
+    expect(row).to_contain_text(fmt_bytes(512 * MiB))  # the budget
+    expect(row).to_contain_text("tmpfs:/dev/shm: 24.0 MiB of 256 MiB")
+    expect(page.locator("#host-reading")).to_contain_text("cgroup /system.slice/timesliced.service")
+    expect(page.locator('#jobs-body tr[data-job="rl-math"] td').nth(8)).to_have_text(fmt_bytes(24 * MiB))
+    expect(page.locator('#jobs-body tr[data-job="eval-harness"]')).to_contain_text("park refused")
+    source.grant_next()  # rl-math comes back: its parked state is gone from host memory
+    expect(page.locator('#jobs-body tr[data-job="rl-math"] td').nth(8)).to_have_text(fmt_bytes(0))
 
 
 def _normalise(html: str) -> str:

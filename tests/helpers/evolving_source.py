@@ -11,6 +11,7 @@ from timesliced import errors
 from . import status_docs
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 class EvolvingSource:
@@ -43,6 +44,8 @@ class EvolvingSource:
         ]
         self.event_log: list[dict[str, Any]] = []
         self.calls: list[tuple[str, Any]] = []
+        self.faulted: dict[str, str] = {}  # job -> why (the test faults one; an admin's resume clears it)
+        self.refused: dict[str, str] = {"eval-harness": "snapshot failed: no space left on device"}
         self._event("granted", "pool", "sft-chat", "fence 2")
 
     # --- what the test does -------------------------------------------------------------
@@ -145,6 +148,7 @@ class EvolvingSource:
                     "lock_duty": 0.87,
                     "draining": self.draining[name],
                     "frozen": None,
+                    "waiting_for": None,
                     "deferred": 0,
                 }
             )
@@ -153,10 +157,12 @@ class EvolvingSource:
                 "job": job,
                 "group": group,
                 "location": "resident" if job in self.resident else "parked",
-                "faulted": None,
+                "faulted": self.faulted.get(job),
                 "sessions": 1,
                 "pids": [4242 + i],
                 "footprint": {"0": footprint[job]},
+                "parked_bytes": 0 if job in self.resident else footprint[job],
+                "park_refused": self.refused.get(job),
                 "slices": 3 + i,
                 "restores": 1,
                 "snapshots": 1,
@@ -181,6 +187,28 @@ class EvolvingSource:
             "devices": devices,
             "groups": groups,
             "jobs": jobs,
+            "host": [
+                status_docs.host_budget(
+                    budget=512 * MiB,
+                    parked=sum(footprint[j] for j in self.JOBS if j not in self.resident),
+                    room=448 * MiB,
+                    limit=768 * MiB,
+                    pools={"tmpfs:/dev/shm": {"budget": 256 * MiB, "parked": 24 * MiB}},
+                )
+            ],
+            "host_memory": status_docs.host_reading(
+                available=600 * MiB,
+                room=448 * MiB,
+                cgroup={
+                    "path": "/system.slice/timesliced.service",
+                    "version": 2,
+                    "limit": GiB,
+                    "used": 300 * MiB,
+                    "room": 600 * MiB,
+                },
+                tmpfs={"path": "/dev/shm", "size": 512 * MiB, "free": 232 * MiB},
+                pools={"tmpfs:/dev/shm": 232 * MiB},
+            ),
             "cluster": status_docs.cluster("node-a"),
             "telemetry": status_docs.telemetry(
                 *(
@@ -238,6 +266,23 @@ class EvolvingSource:
             self.calls.append(("drain", (group, on)))
             self.draining[group] = on
             return {"group": group, "draining": on}
+
+    def resume(self, group: str) -> dict[str, Any]:
+        with self._lock:
+            self.calls.append(("resume", group))
+            self.draining[group] = False
+            return {"group": group, "draining": False, "resumed": [], "still_faulted": {}}
+
+    def resume_job(self, job: str) -> dict[str, Any]:
+        with self._lock:
+            self.calls.append(("resume_job", job))
+            if job not in self.JOBS:
+                raise errors.UnknownJob(f"no job {job!r}")
+            if job not in self.faulted:
+                raise errors.BadRequest(f"job {job!r} is not faulted: there is nothing to resume")
+            was = self.faulted.pop(job)
+            self._event("admin", self.JOBS[job], job, f"resumed (it was faulted: {was})")
+            return {"job": job, "group": self.JOBS[job], "location": "resident", "was": was}
 
     def ready(self) -> bool:
         return True

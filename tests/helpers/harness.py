@@ -23,7 +23,9 @@ from timesliced.core.events import (
     AllocateRegion,
     Effect,
     Event,
+    FaultCleared,
     GrantLock,
+    HostMemoryRead,
     JobExited,
     JobRegistered,
     MemoryReleased,
@@ -37,6 +39,7 @@ from timesliced.core.events import (
     SnapshotJob,
 )
 from timesliced.core.figures import Figures
+from timesliced.core.host import HostLedger
 from timesliced.core.ledger import MemoryLedger
 from timesliced.core.location import Location
 from timesliced.core.moves import Moves
@@ -68,7 +71,7 @@ class Harness:
 
     def handle(self, event: Event) -> Any:
         result = self.s.handle(event, self.now)
-        self.s.check_invariants()
+        self.s.check_invariants(self.now)
         return result
 
     def fails(self, event: Event, error: type[E], match: str | None = None) -> E:
@@ -80,7 +83,7 @@ class Harness:
         assert self.state() == before, "a raising event changed the scheduler"
         assert self.s.drain() == [], "a raising event emitted effects"
         self.s._effects.extend(pending)
-        self.s.check_invariants()
+        self.s.check_invariants(self.now)
         return info.value
 
     def state(self) -> tuple[Any, ...]:
@@ -90,7 +93,7 @@ class Harness:
         if now is not None:
             self.now = now
         self.s.handle_timers(self.now)
-        self.s.check_invariants()
+        self.s.check_invariants(self.now)
 
     def advance(self, dt: float) -> None:
         self.now += dt
@@ -119,9 +122,10 @@ class Harness:
         pids: tuple[int, ...] = (),
         *,
         exclusive: bool = False,
+        freezes: bool = True,
     ) -> int:
         sid = self.session()
-        self.handle(JobRegistered(sid, job, group, gpus, pids, exclusive))
+        self.handle(JobRegistered(sid, job, group, gpus, pids, exclusive, freezes=freezes))
         return sid
 
     def acquire(self, session: int, deadline: float | None = None) -> int:
@@ -149,8 +153,24 @@ class Harness:
     def exit(self, job: str) -> None:
         self.handle(JobExited(job))
 
-    def finish(self, effect: SnapshotJob | RestoreJob, ok: bool = True, *, nbytes: int = 0, error: str = "") -> None:
-        self.handle(MoveFinished(effect.op, ok, nbytes, 0.0, error))
+    def finish(
+        self,
+        effect: SnapshotJob | RestoreJob,
+        ok: bool = True,
+        *,
+        nbytes: int = 0,
+        error: str = "",
+        intact: bool = False,
+        code: str = "",
+    ) -> None:
+        self.handle(MoveFinished(effect.op, ok, nbytes, 0.0, error, intact=intact, code=code))
+
+    def host(self, room: int, limit: int | None = None, slot: int = 0, **more: Any) -> None:
+        """A reading of the host's memory for parked state (``HostMemoryRead``)."""
+        self.handle(HostMemoryRead(slot, room, limit, **more))
+
+    def resume(self, job: str) -> Any:
+        return self.handle(FaultCleared(job))
 
     def reclaimed(self, effect: ReclaimJob) -> None:
         self.handle(ReclaimFinished(effect.op))
@@ -183,6 +203,7 @@ def core_state(s: Scheduler, now: float) -> tuple[Any, ...]:
         plain(s.moves.settled),
         s.moves.next_op,
         plain(s.ledger.pending),
+        plain(s.host.nodes),
         sorted(s.queues.deadlines),  # a heap: its order is its own
         plain(s._frozen),
     )
@@ -216,7 +237,7 @@ class Fault(Exception):
 
 # Every method of every concern of the scheduler, the journal's notes and the location table:
 # all but what takes a step back or commits it.
-FAULTY = (Registry, LockQueues, MemoryLedger, Moves, Arbiter, Figures, SlicePolicies, SlicePolicy, Journal)
+FAULTY = (Registry, LockQueues, MemoryLedger, HostLedger, Moves, Arbiter, Figures, SlicePolicies, SlicePolicy, Journal)
 NOT_FAULTY = {"rollback", "commit", "discard"}
 
 

@@ -160,6 +160,7 @@ def group(name: str, gpus: list[int], **fields: Any) -> schema.Group:
         "switching_to": None,
         "draining": False,
         "frozen": None,
+        "waiting_for": None,
         "deferred": 0,
         "grants": 0,
         "switches": 0,
@@ -168,6 +169,41 @@ def group(name: str, gpus: list[int], **fields: Any) -> schema.Group:
         "p95_switch_s": None,
         "median_wait_s": None,
         "lock_duty": 0.0,
+    }
+    return {**base, **fields}  # type: ignore[return-value]
+
+
+def host_budget(slot: int = 0, *, budget: int, parked: int, room: int, **fields: Any) -> schema.HostBudget:
+    """The scheduler's accounts of one node's host memory for parked state."""
+    base: dict[str, Any] = {
+        "slot": slot,
+        "budget": budget,
+        "limit": None,
+        "room": room,
+        "parked": parked,
+        "reserved": 0,
+        "freeing": 0,
+        "read_s_ago": 0.4,
+        "pools": {},
+        "source": {"host": f"MemAvailable {room} B less a margin of 0 B"},
+    }
+    return {**base, **fields}  # type: ignore[return-value]
+
+
+def host_reading(*, available: int, room: int, **fields: Any) -> schema.HostReading:
+    """What the node's daemon last read of its host."""
+    base: dict[str, Any] = {
+        "available": available,
+        "total": 2 * available,
+        "margin": available - room,
+        "limit": None,
+        "room": room,
+        "cgroup": None,
+        "tmpfs": None,
+        "jobs": {},
+        "pools": {},
+        "age_s": 0.4,
+        "error": None,
     }
     return {**base, **fields}  # type: ignore[return-value]
 
@@ -234,6 +270,7 @@ def dashboard_status() -> dict[str, Any]:
                 "median_wait_s": 2.0,
                 "lock_duty": 0.87,
                 "draining": False,
+                "waiting_for": None,
                 "deferred": 0,
             }
         ],
@@ -246,6 +283,8 @@ def dashboard_status() -> dict[str, Any]:
                 "sessions": 1,
                 "pids": [5001],
                 "footprint": {"0": 40 * MiB},
+                "parked_bytes": 41 * MiB,
+                "park_refused": None,
                 "slices": 3,
                 "restores": 2,
                 "snapshots": 3,
@@ -263,6 +302,8 @@ def dashboard_status() -> dict[str, Any]:
                 "sessions": 1,
                 "pids": [5002],
                 "footprint": {"0": 40 * MiB},
+                "parked_bytes": 0,
+                "park_refused": "snapshot failed: the process did not reach a safe point",
                 "slices": 4,
                 "restores": 1,
                 "snapshots": 1,
@@ -280,6 +321,8 @@ def dashboard_status() -> dict[str, Any]:
                 "sessions": 2,
                 "pids": [],
                 "footprint": {},
+                "parked_bytes": 0,
+                "park_refused": None,
                 "slices": 0,
                 "restores": 0,
                 "snapshots": 0,
@@ -290,6 +333,21 @@ def dashboard_status() -> dict[str, Any]:
                 "measured": {},
             },
         ],
+        "host": [
+            host_budget(
+                budget=1024 * MiB,
+                parked=41 * MiB,
+                room=983 * MiB,
+                pools={"tmpfs:/dev/shm": {"budget": 512 * MiB, "parked": 41 * MiB}},
+            )
+        ],
+        "host_memory": host_reading(
+            available=1500 * MiB,
+            room=983 * MiB,
+            tmpfs={"path": "/dev/shm", "size": 1024 * MiB, "free": 471 * MiB},
+            jobs={"rl-math": ["tmpfs:/dev/shm"]},
+            pools={"tmpfs:/dev/shm": 471 * MiB},
+        ),
         "cluster": cluster("node-7"),
         "telemetry": telemetry(
             gpu(
@@ -355,6 +413,7 @@ def metrics_status() -> dict[str, Any]:
                 "frozen": None,
                 "switching_to": None,
                 "draining": False,
+                "waiting_for": "memory on GPU 0: waiting for sft-chat",
                 "deferred": 1,
                 "grants": 2,
                 "switches": 0,
@@ -374,6 +433,8 @@ def metrics_status() -> dict[str, Any]:
                 "sessions": 1,
                 "pids": [18684],
                 "footprint": {"0": 41943040},
+                "parked_bytes": 41943040,
+                "park_refused": None,
                 "slices": 1,
                 "restores": 0,
                 "snapshots": 1,
@@ -391,6 +452,8 @@ def metrics_status() -> dict[str, Any]:
                 "sessions": 1,
                 "pids": [18684],
                 "footprint": {"0": 41943040},
+                "parked_bytes": 0,
+                "park_refused": None,
                 "slices": 1,
                 "restores": 0,
                 "snapshots": 0,
@@ -408,6 +471,8 @@ def metrics_status() -> dict[str, Any]:
                 "sessions": 1,
                 "pids": [18684],
                 "footprint": {},
+                "parked_bytes": 0,
+                "park_refused": None,
                 "slices": 0,
                 "restores": 0,
                 "snapshots": 0,
@@ -418,6 +483,8 @@ def metrics_status() -> dict[str, Any]:
                 "measured": {},
             },
         ],
+        "host": [host_budget(budget=1 << 30, parked=41943040, room=(1 << 30) - 41943040)],
+        "host_memory": host_reading(available=2 << 30, room=(1 << 30) - 41943040),
         "cluster": cluster("vm"),
         "telemetry": telemetry(
             gpu(0, total=67108864, used=50331648, duty_now=1.0, duty_window=0.75),

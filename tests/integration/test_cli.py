@@ -53,6 +53,8 @@ def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
             "32MiB",
             "--bandwidth",
             "0",
+            "--host-memory-limit",
+            "1GiB",
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -82,6 +84,9 @@ def test_serve_status_and_clean_shutdown(served: tuple[subprocess.Popen[str], st
         assert status["devices"][2]["jobs"]["trainer"]["bytes"] == 8 << 20
         text = cli("status", "--address", sock).stdout
         assert "pool" in text and "holder=trainer" in text and "gpu2" in text
+        (host,) = status["host"]
+        assert host["limit"] == 1 << 30 and host["budget"] <= 1 << 30 and status["host_memory"]["limit"] == 1 << 30
+        assert "HOST MEMORY FOR PARKED STATE" in text and "limit=1.0 GiB" in text
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
     assert not Path(sock).exists()

@@ -103,6 +103,22 @@ class FakeSource:
             raise errors.UnknownGroup(f"no group named {group!r}")
         return {"group": group, "draining": on}
 
+    def resume(self, group: str) -> dict[str, Any]:
+        self.calls.append(("resume", group))
+        if group != "pool":
+            raise errors.UnknownGroup(f"no group named {group!r}")
+        return {"group": group, "draining": False, "resumed": ["rl-code"], "still_faulted": {}}
+
+    def resume_job(self, job: str) -> dict[str, Any]:
+        self.calls.append(("resume_job", job))
+        if job == "rl-code":
+            return {"job": job, "group": "pool", "location": "resident", "was": "restore failed: out of memory"}
+        if job in ("rl-math", "sft-chat"):
+            raise errors.BadRequest(f"job {job!r} is not faulted: there is nothing to resume")
+        if job == "lost":
+            raise errors.JobFaulted("job 'lost' cannot be resumed: its simulated GPU state is faulted")
+        raise errors.UnknownJob(f"no job {job!r}")
+
     def ready(self) -> bool:
         self._maybe_fail("ready")
         return self.is_ready
@@ -466,7 +482,7 @@ def test_non_finite_numbers_become_null() -> None:
 ACTIONS = [
     ("release", ("force_release", "pool")),
     ("drain", ("drain", ("pool", True))),
-    ("resume", ("drain", ("pool", False))),
+    ("resume", ("resume", "pool")),
 ]
 
 
@@ -509,10 +525,13 @@ def test_admin_actions_need_the_right_bearer_token() -> None:
             assert response.status == 200, await response.text()
             reply = await response.json()
             assert source.admin_calls()[-1] == call
-            assert reply == (
-                {"group": "pool", "released": "sft-chat"}
-                if action == "release"
-                else {"group": "pool", "draining": action == "drain"}
+            assert (
+                reply
+                == {
+                    "release": {"group": "pool", "released": "sft-chat"},
+                    "drain": {"group": "pool", "draining": True},
+                    "resume": {"group": "pool", "draining": False, "resumed": ["rl-code"], "still_faulted": {}},
+                }[action]
             )
         assert len(source.admin_calls()) == 3
         assert await get_json(client, "/api/v1/admin") == {"enabled": True, "authorized": None}
@@ -540,6 +559,36 @@ def test_admin_errors_map_to_http_statuses() -> None:
         assert response.status == 404 and (await response.json())["error"]["code"] == "unknown_group"
 
     run(body, source)
+
+
+def test_resuming_a_faulted_job_needs_the_token_and_says_why_it_cannot() -> None:
+    async def body(client: Any, source: FakeSource) -> None:
+        response = await client.post("/api/v1/jobs/rl-code/resume")
+        assert response.status == 401 and source.admin_calls() == []
+        response = await client.post("/api/v1/jobs/rl-code/resume", headers=bearer())
+        assert response.status == 200
+        assert (await response.json()) == {
+            "job": "rl-code",
+            "group": "pool",
+            "location": "resident",
+            "was": "restore failed: out of memory",
+        }
+        for job, status, code in (
+            ("rl-math", 400, "bad_request"),  # not faulted
+            ("lost", 409, "job_faulted"),  # its state is gone: it cannot be resumed
+            ("nobody", 404, "unknown_job"),
+        ):
+            response = await client.post(f"/api/v1/jobs/{job}/resume", headers=bearer())
+            assert response.status == status, job
+            assert (await response.json())["error"]["code"] == code
+        assert [c for c in source.admin_calls()] == [
+            ("resume_job", "rl-code"),
+            ("resume_job", "rl-math"),
+            ("resume_job", "lost"),
+            ("resume_job", "nobody"),
+        ]
+
+    run(body)
 
 
 def test_admin_posts_refuse_form_bodies() -> None:

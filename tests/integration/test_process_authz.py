@@ -111,6 +111,12 @@ class _Source:
     def drain(self, group: str, on: bool) -> dict[str, Any]:
         return {"group": group, "draining": on}
 
+    def resume(self, group: str) -> dict[str, Any]:
+        return {"group": group, "draining": False, "resumed": [], "still_faulted": {}}
+
+    def resume_job(self, job: str) -> dict[str, Any]:
+        return {"job": job}
+
     def ready(self) -> bool:
         return True
 

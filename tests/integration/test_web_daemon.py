@@ -115,3 +115,39 @@ def test_a_taken_port_is_an_error_unless_any_port_will_do(served: EmbeddedDaemon
         EmbeddedDaemon(gpus=1, web=("127.0.0.1", port)).start()
     with EmbeddedDaemon(gpus=1, web=("127.0.0.1", port), web_any_port=True) as other:
         assert other.web_url is not None and other.web_url != served.web_url
+
+
+def test_an_operator_resumes_a_faulted_job_once_its_state_is_whole(tmp_path: Any) -> None:
+    """A snapshot that timed out faults its job (nobody knew how far it got); the sim's rollback kept it whole."""
+    slow = {"bandwidth": 8 << 20, "op_timeout": 0.2, "pid_poll_interval": 0.1}
+    config = {"gpus": 1, "gpu_memory": 64 << 20, "web": ("127.0.0.1", 0), "admin_token": TOKEN, **slow}
+    with EmbeddedDaemon(**config) as d:
+        a = timesliced.Client(job="a", group="g", address=d.socket, gpus=[0])
+        b = timesliced.Client(job="b", group="g", address=d.socket, gpus=[0])
+        with a, b:
+            a.acquire()
+            region = a.sim_alloc(8 << 20)  # a second to copy at this bandwidth: the op timeout cuts it short
+            region.fill(b"kept")
+            a.release()
+            b.acquire()
+            with pytest.raises(errors.OutOfMemory):
+                b.sim_alloc(60 << 20)  # parking a for it times out: a is faulted, the allocation refused
+            wait_for(lambda: call(d, "/api/v1/jobs/a")[1]["faulted"] is not None)
+            assert "timed out after 0.2 s" in call(d, "/api/v1/jobs/a")[1]["faulted"]
+            assert call(d, "/api/v1/jobs/a/resume", method="POST")[0] == 401
+            assert call(d, "/api/v1/jobs/b/resume", method="POST", token=TOKEN)[0] == 400  # b is not faulted
+            wait_for(
+                lambda: (
+                    d.daemon is not None
+                    and d.daemon.parking.sim is not None
+                    and d.daemon.parking.sim.verify("a") == "resident"
+                )
+            )  # its rollback has finished
+            status, answer = call(d, "/api/v1/jobs/a/resume", method="POST", token=TOKEN)
+            assert status == 200 and answer["job"] == "a" and answer["location"] == "resident"
+            assert call(d, "/api/v1/jobs/a")[1]["faulted"] is None
+            kinds = [e["kind"] for e in call(d, "/api/v1/events?after=0&limit=100")[1]]
+            assert "admin" in kinds
+            b.release()
+            a.acquire()  # resumed: its next slice just works, with its bytes as they were
+            assert region.read(4) == b"kept"

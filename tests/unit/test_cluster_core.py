@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from timesliced import errors
-from timesliced.cluster.asks import Acquire, Alloc, Closed, Gone, MoveDone, Register, Release
+from timesliced.cluster.asks import Acquire, Alloc, Closed, Gone, HostRead, MoveDone, Register, Release
 from timesliced.cluster.effects import Fail, Reply, Send
 from timesliced.cluster.messages import Req
 from timesliced.cluster.node import PENDING, ClusterNode
@@ -29,6 +29,7 @@ def job(name: str, group: str, location: str, footprint: dict[str, int], span: l
         "faulted": kw.get("faulted", ""),
         "span": span,
         "gone": kw.get("gone", False),
+        "freezes": kw.get("freezes", True),
     }
 
 
@@ -416,3 +417,74 @@ def test_a_journal_picture_of_another_shape_is_refused_and_nothing_is_taken_up(p
     with pytest.raises(ValueError, match="not a picture of this release's journal"):
         n.restore(picture, NOW, 30.0)
     assert n.jobs == {} and n.turns == {} and n.fences == {}
+
+
+# --- host memory, moves that leave a job whole, freezing --------------------------------------
+
+
+def parked_on_two_nodes(orch: Orchestrator) -> int:
+    """A held and allocated 60 on both nodes, then B came: A is parked; returns the op of B's switch park."""
+    acquire(orch, 0, 1, 1)
+    alloc(orch, 0, 1, 2)
+    orch.handle(0, Release(1, 3), NOW)
+    acquire(orch, 0, 2, 3)
+    alloc(orch, 0, 2, 4)
+    (op,) = {m["op"] for _, m in messages(orch, "move")}
+    return op
+
+
+def test_each_node_counts_what_its_part_of_a_park_takes() -> None:
+    orch = two_node_orchestrator()
+    op = parked_on_two_nodes(orch)
+    done(orch, 0, op, nbytes=60)
+    done(orch, 1, op, nbytes=0)  # its part had nothing on this node's GPUs
+    assert orch.scheduler.jobs["A"].parked == {0: 60}
+    orch.handle(1, HostRead(40, None, {}, {}, {"B": 7}, {"host": "MemAvailable 1 GiB"}), NOW)
+    assert orch.scheduler.host.nodes[1].budget == 40 and orch.scheduler.host.nodes[1].sizes == {"B": 7}
+    assert orch.scheduler.describe(NOW)["host"][0]["slot"] == 1
+
+
+def test_a_move_is_intact_only_if_no_node_moved_its_part() -> None:
+    orch = two_node_orchestrator()
+    op = parked_on_two_nodes(orch)
+    orch.handle(0, MoveDone(op, False, 0, 0.1, "no space left", intact=True, code="insufficient_host_memory"), NOW)
+    orch.handle(1, MoveDone(op, False, 0, 0.1, "no space either", intact=True, code="insufficient_host_memory"), NOW)
+    a = orch.scheduler.jobs["A"]
+    assert not a.faulted and a.location.value == "resident" and a.refusal is not None
+    assert a.refusal.code == "insufficient_host_memory"
+    assert a.refusal.reason == "snapshot failed: node 0: no space left; node 1: no space either"
+    fail = [m for _, m in messages(orch, "fail")]
+    assert fail and fail[0]["error"]["code"] == "out_of_memory"  # B's allocation waited for the park
+
+    orch = two_node_orchestrator()
+    op = parked_on_two_nodes(orch)
+    done(orch, 0, op)  # node 0 parked its part: the job is half parked, not intact
+    orch.handle(1, MoveDone(op, False, 0, 0.1, "no space", intact=True), NOW)
+    assert orch.scheduler.jobs["A"].faulted.startswith("snapshot failed: node 1: no space")
+
+
+def test_a_nodes_job_that_cannot_be_frozen_is_refused_by_a_preempting_leader() -> None:
+    from timesliced.core.slices import SlicePolicy
+
+    orch = Orchestrator(ERA, {0: 100}, policies={"g": SlicePolicy(5.0, "preempt")})
+    with pytest.raises(errors.PreemptionUnsafe):
+        orch.handle(0, Register(1, 1, "A", "g", exclusive=True, freezes=False), NOW)
+    orch.handle(0, Register(1, 1, "A", "w", exclusive=True, freezes=False), NOW)
+    assert orch.scheduler.jobs["A"].freezes is False
+
+
+def test_a_node_sends_its_latest_host_reading_to_every_new_leader() -> None:
+    node = ClusterNode("n0", ("n0", "n1"), {0: 100}, rng=random.Random(1))
+    node.start(NOW)
+    node.drain()
+    node.host_read(HostRead(10), NOW)
+    node.host_read(HostRead(20), NOW)  # not ready: nothing piles up, the latest is kept
+    assert node.host == HostRead(20) and not node._notes
+    node.era, node.leader = (1, 1), "n1"  # as a sync from n1 leaves it
+    node._on_ready()
+    notes = [e.message for e in node.drain() if isinstance(e, Send) and e.message.K == "note"]
+    assert [n.notice for n in notes] == [HostRead(20)]
+    node.host_read(HostRead(30), NOW)  # ready: straight to the leader
+    notes = [e.message for e in node.drain() if isinstance(e, Send) and e.message.K == "note"]
+    assert [n.notice for n in notes] == [HostRead(30)]
+    assert not node.moving

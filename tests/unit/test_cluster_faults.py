@@ -185,6 +185,7 @@ def report(waiting: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         "faulted": "",
         "span": [0, 100],
         "gone": False,
+        "freezes": True,
     }
     return {
         "devices": {"0": 100},
@@ -203,7 +204,17 @@ def req(op: str, args: dict[str, Any], rid: int = 1) -> dict[str, Any]:
 
 REGISTER_C = req(
     "register",
-    {"conn": 2, "rid": 1, "job": "C", "group": "g", "gpus": [0], "pids": [], "exclusive": False, "extra": {}},
+    {
+        "conn": 2,
+        "rid": 1,
+        "job": "C",
+        "group": "g",
+        "gpus": [0],
+        "pids": [],
+        "exclusive": False,
+        "extra": {},
+        "freezes": True,
+    },
 )
 
 

@@ -20,6 +20,7 @@ from timesliced.cluster.asks import (
     Closed,
     Freed,
     Gone,
+    HostRead,
     MoveDone,
     Register,
     Registered,
@@ -89,7 +90,10 @@ SAMPLES: dict[str, PeerMessage] = {
     "note closed": Note(ERA, Closed(4)),
     "note freed": Note(ERA, Freed("job-a", 1, 64)),
     "note gone": Note(ERA, Gone("job-a")),
-    "note move_done": Note(ERA, MoveDone(17, False, 64, 0.5, "it broke")),
+    "note move_done": Note(ERA, MoveDone(17, False, 64, 0.5, "it broke", True, "insufficient_host_memory")),
+    "note host_read": Note(
+        ERA, HostRead(-5, 300, {"cgroup:/a": 70}, {"job-a": ("cgroup:/a",)}, {"job-a": 64}, {"host": "MemAvailable"})
+    ),
     "res register": Res(ERA, 1, "register", Registered("job-a", "pool", (0, 101), Location.RESIDENT)),
     "res release": Res(ERA, 4, "release", {"group": "pool", "fence": 7, "held_s": 1.5, "tags": ["x", None]}),
     "res error": Res(ERA, 2, "acquire", error=WireError("not_holder", "no", {"group": "pool"})),
@@ -102,8 +106,8 @@ SAMPLES: dict[str, PeerMessage] = {
     "alloc": Allotted(ERA, 4, 13, "job-a", 1, 64, 60),
 }
 PLAIN = {"result", "extra", "details", "data"}  # plain data: a peer passes it on to a client as it is
-KEYED = {"devices", "footprint", "fences"}  # maps whose keys are data, not field names
-OPTIONAL = {"gpus", "timeout", "seq", "deadline_in"}  # fields that may be null
+KEYED = {"devices", "footprint", "fences", "pools", "members", "sizes", "source"}  # maps keyed by data, not names
+OPTIONAL = {"gpus", "timeout", "seq", "deadline_in", "limit"}  # fields that may be null
 
 
 def wire(message: PeerMessage) -> dict[str, Any]:

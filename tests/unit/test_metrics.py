@@ -77,6 +77,20 @@ EXPECTED_STATUS_SERIES: dict[str, dict[Labels, float]] = {
         frozenset({("job", "sft-chat")}): 0.0,
         frozenset({("job", "rl-code")}): 1.0,
     },
+    "timesliced_job_parked_bytes": {
+        frozenset({("job", "rl-math")}): 41943040.0,
+        frozenset({("job", "sft-chat")}): 0.0,
+        frozenset({("job", "rl-code")}): 0.0,
+    },
+    "timesliced_job_park_refused": {
+        frozenset({("job", "rl-math")}): 0.0,
+        frozenset({("job", "sft-chat")}): 0.0,
+        frozenset({("job", "rl-code")}): 0.0,
+    },
+    "timesliced_host_budget_bytes": {frozenset({("node", "vm")}): float(1 << 30)},
+    "timesliced_host_parked_bytes": {frozenset({("node", "vm")}): 41943040.0},
+    "timesliced_host_reserved_bytes": {frozenset({("node", "vm")}): 0.0},
+    "timesliced_host_room_bytes": {frozenset({("node", "vm")}): float((1 << 30) - 41943040)},
     "timesliced_job_series_dropped": {frozenset(): 0.0},
 }
 
@@ -399,6 +413,24 @@ def test_a_zero_job_cap_exposes_no_job_series() -> None:
 def test_a_negative_job_cap_is_refused() -> None:
     with pytest.raises(ValueError, match="max_jobs"):
         Metrics(provider(STATUS), node="vm", max_jobs=-1)
+
+
+def test_a_limit_a_refused_park_and_a_follower_without_figures() -> None:
+    status = copy.deepcopy(STATUS)
+    status["host"][0]["limit"] = 1 << 29
+    status["jobs"][1]["park_refused"] = "snapshot failed: no space left on device"
+    del status["jobs"][2]["parked_bytes"], status["jobs"][2]["park_refused"]  # as a follower shows its jobs
+    series = scrape(Metrics(lambda: status, node="vm"))
+    assert series["timesliced_host_limit_bytes"] == {frozenset({("node", "vm")}): float(1 << 29)}
+    assert series["timesliced_job_park_refused"][frozenset({("job", "sft-chat")})] == 1.0
+    assert frozenset({("job", "rl-code")}) not in series["timesliced_job_parked_bytes"]
+
+
+def test_a_node_beyond_the_members_shows_by_its_slot() -> None:
+    status = copy.deepcopy(STATUS)
+    status["host"][0]["slot"] = 3
+    series = scrape(Metrics(lambda: status, node="vm"))
+    assert set(series["timesliced_host_budget_bytes"]) == {frozenset({("node", "3")})}
 
 
 def test_forgetting_a_group_drops_its_live_series() -> None:

@@ -843,21 +843,28 @@ def test_pending_memory_request_of_an_exiting_job_fails(h: Harness) -> None:
     assert h.drain() == [] and h.used() == 0
 
 
-def test_failed_snapshot_in_a_switch_keeps_the_incoming_waiting(h: Harness) -> None:
+def test_a_victim_whose_snapshot_faults_it_is_named_to_the_incoming_at_once(h: Harness) -> None:
     a, b = two_jobs_one_parked(h)
     ra = h.acquire(a)
     h.release(b)
     (snap,) = h.drain()
     h.finish(snap, ok=False, error="driver says no")
-    effects = h.drain()
-    assert kinds(effects) == ["NotifyJob"]  # no restore: the memory is still taken
+    faulted, fail = h.drain()
+    assert faulted == NotifyJob("B", "faulted", {"job": "B", "reason": "snapshot failed: driver says no"})
+    # B keeps the memory A needs, and nothing under way will free it: A is told so now, not at its timeout
+    assert fail.ticket == (a, ra) and isinstance(fail.error, errors.SwitchFailed)
+    assert "job 'B' keeps 60 B on GPU 0 and is faulted (snapshot failed: driver says no)" in fail.error.message
     assert h.location("B") == "resident" and h.s.jobs["B"].faulted
-    assert h.queue() == ["A"] and h.group_state() == "faulted"  # B is stuck where it is: an operator must look
+    assert h.queue() == [] and h.group_state() == "faulted"  # B is stuck where it is: an operator must look
     h.fails(AcquireRequested(b, 99), errors.JobFaulted, "snapshot failed: driver says no")
+    again = h.acquire(a)  # and so is every later attempt, as long as B is stuck
+    (fail,) = h.drain()
+    assert fail.ticket == (a, again) and isinstance(fail.error, errors.SwitchFailed)
     # once the faulted job is gone, the waiter gets its turn
     h.exit("B")
     (reclaim,) = h.drain()
     h.reclaimed(reclaim)
+    ra = h.acquire(a)
     (restore,) = h.drain()
     h.finish(restore)
     assert one_grant(h.drain()).tickets == ((a, ra),)

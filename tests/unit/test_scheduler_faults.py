@@ -18,6 +18,7 @@ import pytest
 
 from timesliced.core.events import (
     AcquireRequested,
+    HostMemoryRead,
     JobExited,
     MemoryRequested,
     MoveFinished,
@@ -133,6 +134,28 @@ def timers_expire_an_acquire_and_preempt_the_holder(h: Harness) -> Step:
     return lambda h: h.s.handle_timers(5.0)  # B times out; A is warned, preempted and parked; C is granted
 
 
+def snapshot_failed_intact_so_the_waiter_is_told(h: Harness) -> Step:
+    a, b = two_jobs_one_parked(h)
+    h.acquire(a)
+    h.release(b)
+    (snap,) = only(h.drain(), SnapshotJob)
+    h.acquire(b)  # B waits behind A; its park fails, whole: it stays usable, A is told why and B granted
+    code = "insufficient_host_memory"
+    return lambda h: h.s.handle(MoveFinished(snap.op, False, 0, 0.1, "no space left", intact=True, code=code), h.now)
+
+
+def a_host_reading_lets_a_refused_park_go(h: Harness) -> Step:
+    _, b = two_jobs_one_parked(h)
+    h.host(10)
+    h.release(b)
+    h.exit("A")  # A's reclaim will free room
+    c = h.register("C", "x", exclusive=True)
+    h.acquire(c)  # parking B fits once the reclaim is done: C waits for it
+    h.acquire(h.register("D", "x"))
+    h.drain()
+    return lambda h: h.s.handle(HostMemoryRead(0, 500, None, {"cg": 400}, {"B": ("cg",)}, {"C": 5}), h.now)
+
+
 def a_new_leader_settles_a_half_parked_job(h: Harness) -> Step:
     a = holding(h, "A", 40)
     h.release(a)
@@ -148,6 +171,8 @@ SCENARIOS: list[Callable[[Harness], Step]] = [
     restore_done_so_the_waiter_is_granted,
     snapshot_failed_so_the_job_is_faulted,
     snapshot_done_so_a_waiting_allocation_is_made,
+    snapshot_failed_intact_so_the_waiter_is_told,
+    a_host_reading_lets_a_refused_park_go,
     holder_session_closed_with_waiters_and_an_allocation,
     holder_exited_with_waiters_and_an_allocation,
     timers_expire_an_acquire_and_preempt_the_holder,

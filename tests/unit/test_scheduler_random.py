@@ -14,6 +14,14 @@ answered) and, after every step, the core must agree with it:
   loses the lock and is queued again at the tail (its automatic request);
 - the core's queues and holders equal the model's;
 - no GPU is ever over capacity;
+- no park starts that the host's budget cannot hold (readings of the host come
+  in at random, some with a limit, a pool or measured sizes);
+- moves fail of both kinds: with the job's state intact (the job stays usable,
+  never faulted) and with it damaged (faulted until it exits or an operator
+  resumes it);
+- every waiter can be granted or has been told why: a free group's head waits
+  only for jobs that move on by themselves (``check_invariants(now)``), and a
+  waiter failed for want of room names a cause that is there;
 - an input that raises changes nothing and emits nothing, and so does an input
   during which any call inside the core raises (a bug; ``FaultyRun``).
 
@@ -42,8 +50,10 @@ from timesliced.core.events import (
     Effect,
     Event,
     FailRequest,
+    FaultCleared,
     ForceReleaseRequested,
     GrantLock,
+    HostMemoryRead,
     JobExited,
     JobRegistered,
     MemoryReleased,
@@ -58,8 +68,9 @@ from timesliced.core.events import (
     SnapshotJob,
     Ticket,
 )
+from timesliced.core.host import refused
 from timesliced.core.location import Location
-from timesliced.core.model import AUTO
+from timesliced.core.model import AUTO, Refuse
 from timesliced.core.scheduler import Scheduler
 from timesliced.core.slices import SlicePolicy
 
@@ -69,6 +80,7 @@ CAPACITIES = {0: 100, 1: 100, 2: 100}
 GROUPS = {"g0": (0, 1), "g1": (1, 2), "g2": (0,)}  # g0 shares GPU 0 with g2 and GPU 1 with g1
 JOBS = {"a": "g0", "b": "g0", "c": "g0", "j": "g0", "d": "g1", "e": "g1", "f": "g2", "h": "g2", "i": "g2"}
 EXCLUSIVE = {"c", "e", "h"}  # parked whole like real processes; the rest account their memory
+HOST_CODES = ["insufficient_host_memory", "park_refused", ""]  # what a failed move with its job intact says
 MAX_WAITERS = 2  # g0 has four jobs: one holds, two wait, the fourth is refused
 POLICIES = {"g0": SlicePolicy(1.0, "preempt", grace=0.5), "g1": SlicePolicy(3.0, "warn")}  # g2 has none
 
@@ -95,6 +107,10 @@ class Run:
         self.cancelled: Ticket | None = None
         self.again: Ticket | None = None
         self.timers_ran = False
+        self.restore_failed = False  # a restore failed this step: its waiter may be told so
+        self.intact_failures = 0
+        self.damaged_failures = 0
+        self.told = 0  # waiters failed for want of room, with the cause named
 
     # --- plumbing ----------------------------------------------------------------------
 
@@ -137,7 +153,7 @@ class Run:
 
     def step(self) -> None:
         self.cancelled = self.again = None
-        self.timers_ran = False
+        self.timers_ran = self.restore_failed = False
         actions = [
             (self.register, 6),
             (self.acquire, 18),
@@ -153,6 +169,8 @@ class Run:
             (self.misuse, 1),
             (self.force_release, 1),
             (self.drain, 1),
+            (self.read_host, 3),
+            (self.resume, 1),
         ]
         action = self.rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
         action()
@@ -305,11 +323,12 @@ class Run:
             expect = errors.JobFaulted
         elif core.location is not Location.RESIDENT:
             expect = errors.NotResident
-        elif (
-            nbytes > CAPACITIES[gpu] - self.s.used(gpu)
-            and self.s.ledger.plan_evictions({gpu: nbytes - leaving}, {job}) is None
-        ):
-            expect = errors.OutOfMemory  # after parking idle jobs and waiting for those already parking
+        elif nbytes > CAPACITIES[gpu] - self.s.used(gpu):
+            victims = self.s.ledger.plan_evictions({gpu: nbytes - leaving}, {job}, self.now)
+            if victims is None:
+                expect = errors.OutOfMemory  # after parking idle jobs and waiting for those already parking
+            elif isinstance(self.s.host.admit(victims, job, self.now, may_wait=False), Refuse):
+                expect = errors.InsufficientHostMemory  # the parks it needs do not fit the host
         exc = self.feed(MemoryRequested(sid, rid, gpu, nbytes), expect)
         if expect is None:
             self.allocs[(sid, rid)] = job
@@ -342,8 +361,22 @@ class Run:
             return
         op = self.rng.choice(sorted(self.moves))
         del self.moves[op]
-        ok = self.rng.random() < 0.9
-        self.feed(MoveFinished(op, ok, self.rng.randint(0, 100), self.rng.uniform(0, 1), "" if ok else "injected"))
+        ok = self.rng.random() < 0.85
+        intact = not ok and self.rng.random() < 0.6
+        code = self.rng.choice(HOST_CODES) if intact else ""
+        move = self.s.moves.in_flight[op]
+        job = self.s.jobs[move.job]
+        was_faulted = bool(job.faulted)
+        nbytes = self.rng.randint(0, 100)
+        error = "" if ok else "injected, state intact" if intact else "injected, state lost"
+        self.feed(MoveFinished(op, ok, nbytes, self.rng.uniform(0, 1), error, intact=intact, code=code))
+        if intact:
+            self.intact_failures += 1
+            assert bool(job.faulted) == was_faulted, f"{job.name} was faulted by a failure that left it intact"
+            self.restore_failed = move.kind == "restore"
+        elif not ok:
+            self.damaged_failures += 1
+            assert job.faulted, f"{job.name}'s state was lost, yet it is not faulted"
 
     def finish_reclaim(self) -> None:
         if not self.reclaims:
@@ -375,6 +408,33 @@ class Run:
         on = self.rng.random() < 0.25  # mostly resumes: a drained group grants nothing
         self.feed(DrainRequested(group, on), None if group in self.s.groups else errors.UnknownGroup)
 
+    def read_host(self) -> None:
+        """The daemon's reading of the host: sometimes tight, sometimes with a limit, a pool or sizes."""
+        room = self.rng.choice([0, 20, 60, 150, 1000])
+        limit = self.rng.choice([None, None, 100, 250])
+        names = sorted(JOBS)
+        pools = {"cg": self.rng.choice([30, 90, 400])} if self.rng.random() < 0.3 else {}
+        members = {n: ("cg",) for n in names if pools and self.rng.random() < 0.5}
+        sizes = {n: self.rng.randint(0, 80) for n in sorted(EXCLUSIVE) if self.rng.random() < 0.5}
+        self.feed(HostMemoryRead(0, room, limit, pools, members, sizes))
+
+    def resume(self) -> None:
+        faulted = [j.name for j in self.s.jobs.values() if j.faulted]
+        if faulted and self.rng.random() < 0.8:
+            name = self.rng.choice(faulted)
+            job = self.s.jobs[name]
+            expect: type[Exception] | None = errors.JobFaulted if job.exiting else None
+            self.feed(FaultCleared(name), expect)
+            if expect is None:
+                assert not job.faulted
+            return
+        name = self.rng.choice([*JOBS, "nobody"])
+        job = self.s.jobs.get(name)
+        if job is None:
+            self.feed(FaultCleared(name), errors.UnknownJob)
+        elif not job.faulted:
+            self.feed(FaultCleared(name), errors.BadRequest)
+
     def misuse(self) -> None:
         op = self.rng.choice([0, 10**9, *self.reclaims, *self.moves])
         if op in self.reclaims:
@@ -399,7 +459,8 @@ class Run:
                 self.answer(e.ticket)
                 if e.ticket in self.allocs:
                     del self.allocs[e.ticket]
-                    assert isinstance(e.error, (errors.OutOfMemory, errors.NotResident, errors.JobFaulted)), e
+                    allowed = (errors.OutOfMemory, errors.NotResident, errors.JobFaulted)
+                    assert isinstance(e.error, allowed), e
                     continue
                 job = self.ticket_job(e.ticket)
                 assert job is not None, f"failed a ticket that was not waiting: {e}"
@@ -410,6 +471,8 @@ class Run:
                     assert self.timers_ran and deadline is not None and deadline <= self.now, (e, deadline)
                 elif isinstance(e.error, errors.GroupDraining):
                     assert self.s.groups[self.group_of(job)].draining, e
+                elif isinstance(e.error, (errors.InsufficientHostMemory, errors.SwitchFailed)):
+                    self.check_told(e.error)
                 else:
                     assert isinstance(e.error, errors.JobFaulted), e
                     core = self.s.jobs.get(job)
@@ -422,6 +485,8 @@ class Run:
             elif isinstance(e, (SnapshotJob, RestoreJob)):
                 assert e.op not in self.moves and e.op not in self.reclaims
                 self.moves[e.op] = e.job
+                if isinstance(e, SnapshotJob):
+                    self.check_admitted(e.job)
             elif isinstance(e, ReclaimJob):
                 assert e.op not in self.moves and e.op not in self.reclaims
                 assert e.job not in self.reclaims.values(), f"{e.job} reclaimed twice"
@@ -438,7 +503,28 @@ class Run:
                     self.queues.setdefault(group, []).append(e.job)
                     self.waiting[e.job] = {(sid, AUTO): None for sid in sorted(holder[1])}
             else:
-                assert isinstance(e, NotifyJob) and e.event in ("faulted", "lock_lost"), e
+                assert isinstance(e, NotifyJob) and e.event in ("faulted", "lock_lost", "move_failed", "resumed"), e
+
+    def check_told(self, error: errors.TimeslicedError) -> None:
+        """A waiter failed for want of room: the cause it names is there."""
+        self.told += 1
+        jobs = self.s.jobs.values()
+        assert error.message.startswith(("insufficient host memory", "cannot make room", "job ")), error
+        if isinstance(error, errors.InsufficientHostMemory):
+            by_budget = bool(self.s.host.nodes) and error.message.startswith("insufficient host memory to park")
+            by_failure = any(j.refusal is not None for j in jobs) or self.restore_failed
+            assert by_budget or by_failure, error
+        else:
+            stuck = any(j.faulted or refused(j, self.now) is not None for j in jobs)
+            assert stuck or self.restore_failed, error
+
+    def check_admitted(self, job: str) -> None:
+        """A park that starts fits the host's budget (with every other park under way)."""
+        host = self.s.host
+        for slot, node in host.nodes.items():
+            if host.size(self.s.jobs[job], slot):
+                held, reserved, _ = host.accounts(slot)
+                assert held + reserved <= node.budget, f"park of {job} over the budget: {held} + {reserved} > {node}"
 
     def absorb_grant(self, e: GrantLock) -> None:
         assert e.tickets
@@ -467,7 +553,7 @@ class Run:
 
     def check(self) -> None:
         s = self.s
-        s.check_invariants()
+        s.check_invariants(self.now)  # also: no free group's head is left waiting for nothing
         for name, group in s.groups.items():
             assert [w.job for w in group.queue] == self.queues.get(name, []), (name, group.queue, self.queues)
             for w in group.queue:
@@ -502,7 +588,7 @@ class Run:
                     if name == job:
                         self.sessions[sid] = None
             self.cancelled = self.again = None
-            self.timers_ran = False
+            self.timers_ran = self.restore_failed = False
             self.absorb(self.s.drain())
             self.check()
 
@@ -515,7 +601,7 @@ class Run:
             if group.queue and group.holder is None:
                 head = self.s.jobs[group.queue[0].job]
                 assert head.location in (Location.PARKED, Location.RESIDENT), head
-                assert self.s.ledger.plan_room(head) is None, f"{group.name} is stuck"
+                # nothing is in flight: only another group's holder may be in its way (check_invariants(now))
         for job in [j.name for j in self.s.jobs.values() if j.faulted and not j.exiting]:
             self.feed(JobExited(job))
             self.absorb(self.s.drain())
@@ -581,6 +667,14 @@ def run(rng: random.Random, steps: int) -> Run:
         r.step()
     r.settle()
     return r
+
+
+@pytest.mark.slow
+def test_the_model_sees_failures_of_both_kinds_and_waiters_told_why() -> None:
+    """The runs reach what they are meant to check: intact and damaged failures, and waiters told why."""
+    runs = [run(random.Random(seed), 2500) for seed in range(4)]
+    assert sum(r.intact_failures for r in runs) >= 10 and sum(r.damaged_failures for r in runs) >= 5
+    assert sum(r.told for r in runs) >= 50
 
 
 @pytest.mark.slow

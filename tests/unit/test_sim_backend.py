@@ -320,8 +320,10 @@ def test_failed_restore_leaves_the_job_parked_without_leaking_pages(sims: Sims, 
         victim.unlink()
     else:
         os.truncate(victim, PAGE)
-    with pytest.raises(errors.BackendError):
+    assert b.verify("a") == "faulted"  # what an operator's resume asks first: the copy is not whole
+    with pytest.raises(errors.BackendError) as caught:
         asyncio.run(b.restore("a"))
+    assert not errors.state_intact(caught.value)  # its parked copy is damaged: the job is faulted
     assert b.job_state("a") == "parked"
     assert b.free_bytes(0) == b.free_bytes(1) == 32 * PAGE
     assert (folder / f"{infos[0].region}.bin").exists()
@@ -341,12 +343,47 @@ def test_failed_snapshot_leaves_the_job_resident(sims: Sims, monkeypatch: pytest
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(sim, "_write_all", disk_full)
-    with pytest.raises(errors.BackendError, match="No space"):
+    with pytest.raises(errors.InsufficientHostMemory, match="no room for the parked copy of job 'a'") as caught:
         asyncio.run(b.snapshot("a"))
-    assert b.job_state("a") == "resident" and r.checksum() == digest
+    assert errors.state_intact(caught.value) and caught.value.details == {"job": "a", "needed": 5 * PAGE}
+    assert "bytes free); the job stays resident, whole" in caught.value.message
+    assert b.job_state("a") == "resident" and b.verify("a") == "resident" and r.checksum() == digest
     assert b.free_bytes(0) == 27 * PAGE and not (b.root / "parked" / job_key("a")).exists()
     monkeypatch.undo()
     assert asyncio.run(b.snapshot("a")).nbytes == 5 * PAGE
+
+
+def test_a_snapshot_that_cannot_write_its_control_file_is_refused_whole(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = sims.backend()
+    r = sims.open(b.alloc("a", 0, 2 * PAGE))
+    r.fill(b"kept")
+
+    def fails(self: object, slot: object) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(sim.CtlWriter, "commit", fails)
+    with pytest.raises(errors.ParkRefused, match="was not started: cannot write control file") as caught:
+        asyncio.run(b.snapshot("a"))
+    assert errors.state_intact(caught.value)
+    monkeypatch.undo()
+    assert b.job_state("a") == "resident" and r.read(4) == b"kept"
+
+
+def test_a_restore_without_room_on_the_gpu_is_refused_with_its_parked_copy_whole(sims: Sims) -> None:
+    b = sims.backend()
+    a = sims.open(b.alloc("a", 0, 20 * PAGE))
+    a.fill(b"mine")
+    asyncio.run(b.snapshot("a"))
+    b.alloc("b", 0, 20 * PAGE)  # takes the room A needs back
+    with pytest.raises(errors.RestoreRefused, match="cannot restore job 'a'") as caught:
+        asyncio.run(b.restore("a"))
+    assert errors.state_intact(caught.value) and caught.value.details["gpu"] == 0
+    assert b.job_state("a") == "parked"
+    b.free("b", 1)
+    asyncio.run(b.restore("a"))
+    assert a.read(8) == b"minemine"
 
 
 def test_a_timed_out_snapshot_rolls_back(sims: Sims) -> None:

@@ -320,6 +320,11 @@ STABLE_CODES = {
     errors.UnknownRegion: "unknown_region",
     errors.BackendError: "backend_error",
     errors.InternalError: "internal",
+    errors.PreemptionUnsafe: "preempt_unsafe",
+    errors.SwitchFailed: "switch_failed",
+    errors.ParkRefused: "park_refused",
+    errors.RestoreRefused: "restore_refused",
+    errors.InsufficientHostMemory: "insufficient_host_memory",
 }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import mmap
 import os
@@ -252,6 +253,27 @@ class SimBackend:
                 return "unknown"
             return "resident" if j.state == PARKING else STATE_NAMES[j.state]
 
+    def verify(self, job: str) -> str:
+        """``job_state``, with a parked job's files checked: ``faulted`` if one is missing or cut short.
+
+        What an operator's resume asks before it clears a fault: a parked copy that cannot be
+        restored whole is not a cause that has gone.
+        """
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                return "unknown"
+            if j.state == PARKED and j.move is None:
+                folder = parked_dir(self.root, j.name)
+                for r in j.regions.values():
+                    path = folder / f"{r.region}.bin"
+                    try:
+                        if path.stat().st_size != r.nbytes:
+                            return "faulted"
+                    except OSError:
+                        return "faulted"
+            return "resident" if j.state == PARKING else STATE_NAMES[j.state]
+
     def regions(self, job: str) -> list[RegionInfo]:
         """The job's regions, so a daemon can hand them to clients again after a restart."""
         with self._lock:
@@ -403,7 +425,10 @@ class SimBackend:
                 if j.state == PARKED:
                     return MoveResult(0, 0.0)
                 self._raise_if_faulted(j)
-                self._update(j, state=PARKING, epoch=j.epoch + 1)  # clients stop touching it now
+                try:
+                    self._update(j, state=PARKING, epoch=j.epoch + 1)  # clients stop touching it now
+                except errors.BackendError as exc:  # nothing changed: the job runs on, whole
+                    raise errors.ParkRefused(f"snapshot of job {j.name!r} was not started: {exc.message}") from exc
                 records = list(j.regions.values())
             start = time.perf_counter()
             try:
@@ -429,7 +454,10 @@ class SimBackend:
                 if j.state == RESIDENT:
                     return MoveResult(0, 0.0)
                 self._raise_if_faulted(j)
-                placed = self._take_pages(j)
+                try:
+                    placed = self._take_pages(j)
+                except errors.OutOfMemory as exc:  # nothing was touched: the parked copy is whole
+                    raise errors.RestoreRefused(exc.message, **exc.details) from exc
             start = time.perf_counter()
             try:
                 moved = self._read_parked(j, placed, move)
@@ -518,13 +546,41 @@ class SimBackend:
         move.done.set()
 
     def _reraise(self, kind: str, j: _Job, exc: BaseException) -> NoReturn:
-        """Raise a rolled-back move's error as the BackendError callers expect."""
+        """Raise a rolled-back move's error as the error callers expect.
+
+        A snapshot is rolled back whole (the device copy was only read; the partial parked files
+        are gone), so its failure says the job's state is intact: ``InsufficientHostMemory`` when
+        the parked copy found no room (``ENOSPC`` or ``EDQUOT`` on its file system, a tmpfs that is
+        full), else ``ParkRefused``. A restore that failed part way may have met a damaged parked
+        copy: a ``BackendError``, and the job is faulted.
+        """
         if isinstance(exc, (_Aborted, OSError)):
             # Drop the copy loop's frames: they hold slices of the arena, which would keep it mapped.
             exc = exc.with_traceback(None)
             why = "was abandoned by its caller" if isinstance(exc, _Aborted) else f"failed: {exc}"
-            raise errors.BackendError(f"{kind} of job {j.name!r} {why}") from exc
+            if kind != "snapshot":
+                raise errors.BackendError(f"{kind} of job {j.name!r} {why}") from exc
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                needed = sum(r.nbytes for r in j.regions.values())
+                raise errors.InsufficientHostMemory(
+                    f"no room for the parked copy of job {j.name!r} ({needed} bytes) in {self.root / 'parked'} "
+                    f"({self._space()}); the job stays resident, whole. Free space there (a bigger tmpfs, fewer "
+                    "parked jobs)",
+                    job=j.name,
+                    needed=needed,
+                ) from exc
+            raise errors.ParkRefused(f"{kind} of job {j.name!r} {why}; the job stays resident, whole") from exc
+        if kind == "snapshot" and isinstance(exc, errors.BackendError) and not errors.state_intact(exc):
+            raise errors.ParkRefused(f"{exc.message}; the job stays resident, whole") from exc
         raise exc
+
+    def _space(self) -> str:
+        """What the parked files' file system has free, for an error."""
+        try:
+            st = os.statvfs(self.root / "parked")
+        except OSError as exc:
+            return f"its file system cannot be read: {exc.strerror}"
+        return f"{st.f_bavail * st.f_frsize} of {st.f_blocks * st.f_frsize} bytes free"
 
     # --- state and control files -----------------------------------------------------
 

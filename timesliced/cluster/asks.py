@@ -15,13 +15,14 @@ from typing import Annotated, Any, ClassVar
 from .. import errors
 from ..core.ids import SESSION_STRIDE
 from ..core.location import Location
-from .fields import Enum, Flag, Float, Int, Optional, Plain, Seq, Text, Wire
+from .fields import MAX_INT, Enum, Flag, Float, Int, Map, Optional, Plain, Seq, Text, Wire
 
 CONN = Int(0, SESSION_STRIDE - 1)  # a connection of one node; the leader makes it a session (core/ids.py)
 RID = Int()
 NAME = Text(name=True)
 GPU = Int()  # a GPU index as a node's client names it; the leader refuses one the node cannot have
 BYTES = Int()
+MAX_BYTES = MAX_INT
 
 
 class Ask(Wire):
@@ -44,6 +45,7 @@ class Register(Ask):
     pids: Annotated[tuple[int, ...], Seq(Int())] = ()
     exclusive: Annotated[bool, Flag()] = False
     extra: Annotated[dict[str, Any], Plain(map_only=True)] = field(default_factory=dict)
+    freezes: Annotated[bool, Flag()] = True  # its parking method stops its GPU work first (core JobRegistered)
 
 
 @dataclass(frozen=True)
@@ -125,10 +127,25 @@ class MoveDone(Ask):
     nbytes: Annotated[int, BYTES] = 0
     seconds: Annotated[float, Float(any_sign=True)] = 0.0
     error: Annotated[str, Text()] = ""
+    intact: Annotated[bool, Flag()] = False  # a failure that left the job's state where it was (errors.StateIntact)
+    code: Annotated[str, Text()] = ""  # the failure's error code
 
 
-Notice = Closed | Freed | Gone | MoveDone
-NOTICES: dict[str, type[Notice]] = {cls.OP: cls for cls in (Closed, Freed, Gone, MoveDone)}
+@dataclass(frozen=True)
+class HostRead(Ask):
+    """The node read its host's memory for parked state (see core ``HostMemoryRead``), with no park under way."""
+
+    OP = "host_read"
+    room: Annotated[int, Int(-MAX_BYTES, MAX_BYTES)]
+    limit: Annotated[int | None, Optional(BYTES)] = None
+    pools: Annotated[dict[str, int], Map(Text(), Int(-MAX_BYTES, MAX_BYTES))] = field(default_factory=dict)
+    members: Annotated[dict[str, tuple[str, ...]], Map(NAME, Seq(Text()))] = field(default_factory=dict)
+    sizes: Annotated[dict[str, int], Map(NAME, BYTES)] = field(default_factory=dict)
+    source: Annotated[dict[str, str], Map(Text(), Text())] = field(default_factory=dict)
+
+
+Notice = Closed | Freed | Gone | MoveDone | HostRead
+NOTICES: dict[str, type[Notice]] = {cls.OP: cls for cls in (Closed, Freed, Gone, MoveDone, HostRead)}
 
 
 # --- answers ------------------------------------------------------------------------------

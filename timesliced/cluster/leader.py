@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import errors
 from ..core.election import Election
-from ..core.events import DrainRequested, ForceReleaseRequested
+from ..core.events import DrainRequested, FaultCleared, ForceReleaseRequested
 from ..core.scheduler import Scheduler
 from ..core.slices import SlicePolicy
 from .asks import Notice, Request, WireError
@@ -125,7 +125,7 @@ class Leader:
         with self._guard(self.orch, now):
             return self.orch.handle(slot, ask, now)
 
-    def admin(self, event: ForceReleaseRequested | DrainRequested, now: float) -> Any:
+    def admin(self, event: ForceReleaseRequested | DrainRequested | FaultCleared, now: float) -> Any:
         assert self.orch is not None
         with self._guard(self.orch, now):
             return self.orch.admin(event, now)

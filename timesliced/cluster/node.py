@@ -39,14 +39,27 @@ from typing import Any
 from .. import errors
 from ..core.election import BecameLeader, Election, LeaderChanged, Persist, Persisted, SteppedDown
 from ..core.election import Send as ElectionSend
-from ..core.events import DrainRequested, ForceReleaseRequested
+from ..core.events import DrainRequested, FaultCleared, ForceReleaseRequested
 from ..core.ids import gpu_slot, local_gpu
 from ..core.location import Cause, Location, moved
 from ..core.model import AUTO
 from ..core.scheduler import Scheduler
 from ..core.slices import SlicePolicy
 from ..wire import status
-from .asks import LATER, Acquire, Closed, Freed, Gone, MoveDone, Notice, Register, Registered, Release, Request
+from .asks import (
+    LATER,
+    Acquire,
+    Closed,
+    Freed,
+    Gone,
+    HostRead,
+    MoveDone,
+    Notice,
+    Register,
+    Registered,
+    Release,
+    Request,
+)
 from .effects import Allocate, Effect, Fail, Noted, Push, Reply, RunMove, Send
 from .fields import MalformedPeerMessage
 from .leader import Leader
@@ -99,6 +112,7 @@ class LocalJob:
     gone: bool = False  # reported: none of its processes on this node is alive
     sessions: set[int] = field(default_factory=set)
     pids: set[int] = field(default_factory=set)
+    freezes: bool = True  # its parking method stops its GPU work first (core JobRegistered.freezes)
 
 
 @dataclass
@@ -187,6 +201,7 @@ class ClusterNode:
         self._pending: dict[int, Pending] = {}  # forwarded requests without an answer, by req id
         self._sent: set[int] = set()  # which of them went to the current leader
         self._notes: list[Notice] = []  # one-way notices for the leader, held until ready
+        self.host: HostRead | None = None  # the latest reading of this node's host, for every new leader
         self._moving: dict[tuple[int, int, int], tuple[str, str]] = {}  # key -> (kind, job)
         self._report_due = False
         self._next_req = 1
@@ -336,7 +351,7 @@ class ClusterNode:
         elif isinstance(ask, Release) and job is not None:
             self._let_go(ask.conn, job)
 
-    def admin(self, event: ForceReleaseRequested | DrainRequested, now: float) -> Any:
+    def admin(self, event: ForceReleaseRequested | DrainRequested | FaultCleared, now: float) -> Any:
         """An administrator's action; only the leader takes them (its dashboard). Raises ``TimeslicedError``."""
         if self.lead.orch is None:
             leader = self.election.leader
@@ -402,14 +417,44 @@ class ClusterNode:
         self._pump(now)
 
     def move_finished(
-        self, key: tuple[int, int, int], ok: bool, nbytes: int, seconds: float, error: str, now: float
+        self,
+        key: tuple[int, int, int],
+        ok: bool,
+        nbytes: int,
+        seconds: float,
+        error: str,
+        now: float,
+        *,
+        intact: bool = False,
+        code: str = "",
     ) -> None:
-        """This node's part of a move (``RunMove``) ended. Raises ``ValueError`` for a move it never started."""
+        """This node's part of a move (``RunMove``) ended. Raises ``ValueError`` for a move it never started.
+
+        ``intact``: it failed and left the job's state where it was (``errors.StateIntact``); ``code``:
+        the failure's error code.
+        """
         if key not in self._moving:
             raise ValueError(f"no move {list(key)} is under way on node {self.node_id!r}")
         kind, name = self._moving[key]
-        self._finish_move(key, kind, name, ok, MoveDone(key[2], ok, nbytes, seconds, error), now)
+        done = MoveDone(key[2], ok, nbytes, seconds, error, intact=intact and not ok, code=code)
+        self._finish_move(key, kind, name, ok, done, now)
         self._pump(now)
+
+    def host_read(self, reading: HostRead, now: float) -> None:
+        """The node's daemon read its host's memory for parked state; the leader's scheduler admits parks by it.
+
+        The latest reading is kept and sent again to every new era's leader once it is ready.
+        """
+        self.host = reading
+        if self.ready and self.leader is not None and self.era is not None:
+            self._to_leader(Note(self.era, reading))
+        # else: not held with the other notices (one a second would pile up): ``_on_ready`` sends the latest
+        self._pump(now)
+
+    @property
+    def moving(self) -> bool:
+        """A snapshot or restore of this node is under way (a reading of the host now would count half of it)."""
+        return any(kind != "reclaim" for kind, _ in self._moving.values())
 
     def _finish_move(
         self, key: tuple[int, int, int], kind: str, name: str, ok: bool, done: MoveDone, now: float
@@ -562,7 +607,7 @@ class ClusterNode:
 
     def _take_registered(self, ask: Register, result: Registered) -> None:
         """The job, as this node knows it from now on (the leader registered it)."""
-        job = self.jobs.setdefault(ask.job, LocalJob(ask.job, ask.group, ask.exclusive, ()))
+        job = self.jobs.setdefault(ask.job, LocalJob(ask.job, ask.group, ask.exclusive, (), freezes=ask.freezes))
         job.span = result.gpus
         job.sessions.add(ask.conn)
         job.pids.update(ask.pids)
@@ -604,7 +649,15 @@ class ClusterNode:
             ),
             jobs=tuple(
                 ReportedJob(
-                    j.name, j.group, j.exclusive, j.location, dict(j.footprint), j.faulted, tuple(j.span), j.gone
+                    j.name,
+                    j.group,
+                    j.exclusive,
+                    j.location,
+                    dict(j.footprint),
+                    j.faulted,
+                    tuple(j.span),
+                    j.gone,
+                    j.freezes,
                 )
                 for j in self.jobs.values()
             ),
@@ -624,7 +677,10 @@ class ClusterNode:
     def _on_ready(self) -> None:
         assert self.era is not None
         messages: list[PeerMessage] = [Req(self.era, req, self._pending[req].ask) for req in sorted(self._pending)]
-        messages += [Note(self.era, notice) for notice in self._notes]
+        notes = list(self._notes)
+        if self.host is not None:
+            notes.append(self.host)  # the leader of a new era knows nothing of this node's host yet
+        messages += [Note(self.era, notice) for notice in notes]
         self.ready = True
         self._sent.update(self._pending)
         self._notes = []
@@ -762,6 +818,7 @@ class ClusterNode:
                     "footprint": {str(g): n for g, n in j.footprint.items()},
                     "faulted": j.faulted,
                     "pids": sorted(j.pids),
+                    "freezes": j.freezes,
                 }
                 for j in self.jobs.values()
                 if not j.gone
@@ -784,6 +841,7 @@ class ClusterNode:
                 job = LocalJob(j["job"], j["group"], bool(j["exclusive"]), tuple(j["span"]), where)
                 job.footprint = {int(g): int(n) for g, n in j["footprint"].items()}
                 job.faulted, job.pids = str(j["faulted"]), set(j["pids"])
+                job.freezes = bool(j.get("freezes", True))  # journals of the release before it: every job froze
                 jobs[job.name] = job
             turns = {job: Turn(int(seq), now + keep_turns_for) for job, seq in picture["turns"].items() if job in jobs}
             fences = {group: (int(term), int(fence)) for group, (term, fence) in picture["fences"].items()}

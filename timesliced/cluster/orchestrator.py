@@ -34,9 +34,11 @@ from ..core.events import (
     Effect,
     Event,
     FailRequest,
+    FaultCleared,
     ForceReleaseRequested,
     GrantLock,
     GroupsFrozen,
+    HostMemoryRead,
     JobExited,
     JobRegistered,
     MemoryReleased,
@@ -63,6 +65,7 @@ from .asks import (
     Closed,
     Freed,
     Gone,
+    HostRead,
     MoveDone,
     Notice,
     Register,
@@ -74,7 +77,8 @@ from .asks import (
 from .messages import Allotted, Era, Failed, FromLeader, Grant, GrantInfo, Move, Notify, Queued, Span
 from .report import NodeReport
 
-NOTED = ("faulted", "slice_overdue", "preempted")  # notices that also go to the log and the history
+# notices that also go to the log and the history
+NOTED = ("faulted", "slice_overdue", "preempted", "move_failed", "resumed")
 MOVE_GRACE_S = 5.0  # on top of the node's own operation timeout, for the messages
 MOVE_KINDS: dict[type[Effect], str] = {SnapshotJob: "snapshot", RestoreJob: "restore", ReclaimJob: "reclaim"}
 
@@ -92,6 +96,10 @@ class _Fanout:
     seconds: float = 0.0
     unknown: bool = False  # a node never answered: its outcome is not known
     errors: list[str] = field(default_factory=list)
+    by_slot: dict[int, int] = field(default_factory=dict)  # what each node moved
+    done: int = 0  # nodes whose part succeeded
+    intact: bool = True  # every node that failed left its part where it was
+    codes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -209,10 +217,15 @@ class Orchestrator:
                 case MoveDone():
                     self._fanout_done(slot, ask, now)
                     return None
+                case HostRead():
+                    reading = HostMemoryRead(
+                        slot, ask.room, ask.limit, dict(ask.pools), dict(ask.members), dict(ask.sizes), dict(ask.source)
+                    )
+                    return self._feed(reading, now)
                 case _:
                     raise TypeError(f"not a request or a notice: {ask!r}")
 
-    def admin(self, event: ForceReleaseRequested | DrainRequested, now: float) -> Any:
+    def admin(self, event: ForceReleaseRequested | DrainRequested | FaultCleared, now: float) -> Any:
         """An administrator's action; raises ``TimeslicedError`` (nothing changed)."""
         with self._input():
             return self._feed(event, now)
@@ -256,7 +269,14 @@ class Orchestrator:
     def _register(self, slot: int, ask: Register, now: float) -> Registered:
         gpus = None if ask.gpus is None else tuple(_gpu(slot, g) for g in ask.gpus)
         event = JobRegistered(
-            global_session(slot, ask.conn), ask.job, ask.group, gpus, ask.pids, exclusive=ask.exclusive, slot=slot
+            global_session(slot, ask.conn),
+            ask.job,
+            ask.group,
+            gpus,
+            ask.pids,
+            exclusive=ask.exclusive,
+            slot=slot,
+            freezes=ask.freezes,
         )
         group = self.scheduler.groups.get(ask.group)
         before = group.gpus if group is not None else ()
@@ -372,8 +392,19 @@ class Orchestrator:
         fan.waiting.discard(slot)
         if not done.ok:
             fan.ok = False
-            fan.errors.append(f"node {slot}: {done.error or 'failed'}")
+            fan.errors.append(
+                f"node {slot}: {done.error or 'failed'}"
+                if len(self.job_nodes.get(fan.job, ())) > 1
+                else done.error or "failed"
+            )
+            fan.intact = fan.intact and done.intact
+            if done.code:
+                fan.codes.append(done.code)
+        else:
+            fan.done += 1
         fan.nbytes += done.nbytes
+        if done.nbytes:
+            fan.by_slot[slot] = fan.by_slot.get(slot, 0) + done.nbytes
         fan.seconds = max(fan.seconds, done.seconds)
         self._finish_fanout(done.op, now)
 
@@ -401,7 +432,21 @@ class Orchestrator:
             if fan.unknown:
                 self._unknown.add(fan.job)
             error = "; ".join(fan.errors)
-            self._step(MoveFinished(op, fan.ok, fan.nbytes, fan.seconds, error, kept_memory=fan.unknown), now)
+            # Whole where it was only if no node moved its part and every failing one kept its part intact.
+            intact = not fan.ok and not fan.unknown and fan.intact and not fan.done
+            code = fan.codes[0] if fan.codes and len(set(fan.codes)) == 1 else ""
+            finished = MoveFinished(
+                op,
+                fan.ok,
+                fan.nbytes,
+                fan.seconds,
+                error,
+                kept_memory=fan.unknown,
+                intact=intact,
+                code=code,
+                by_slot=dict(fan.by_slot),
+            )
+            self._step(finished, now)
         self.route(now)
 
     # --- jobs that are gone, and groups that cannot move -------------------------------------

@@ -37,6 +37,7 @@ class MergedJob:
 
     group: str
     exclusive: bool
+    freezes: bool = True
     locations: set[Location] = field(default_factory=set)
     footprint: dict[int, int] = field(default_factory=dict)
     resident: dict[int, int] = field(default_factory=dict)  # the footprint of its resident parts
@@ -52,8 +53,8 @@ def merge_jobs(reports: Reports) -> tuple[dict[str, MergedJob], list[str]]:
     problems: list[str] = []
     for slot, report in sorted(reports.items()):
         for j in report.jobs:
-            m = merged.setdefault(j.job, MergedJob(j.group, j.exclusive))
-            if (m.group, m.exclusive) != (j.group, j.exclusive):
+            m = merged.setdefault(j.job, MergedJob(j.group, j.exclusive, j.freezes))
+            if (m.group, m.exclusive, m.freezes) != (j.group, j.exclusive, j.freezes):
                 problems.append(f"job {j.job!r} is registered differently on node {slot}; that node's part is left out")
                 continue
             m.locations.add(j.location)
@@ -96,7 +97,7 @@ def adopt_jobs(
         if m.locations == {Location.PARKED, Location.RESIDENT}:
             settle[name] = footprint
             footprint = {g: n for g, n in m.resident.items() if g in capacities}
-        sched.adopt_job(name, m.group, m.exclusive, location, footprint, "; ".join(m.faulted))
+        sched.adopt_job(name, m.group, m.exclusive, location, footprint, "; ".join(m.faulted), m.freezes)
         orch.job_nodes[name] = set(m.slots)
         orch.gone[name] = set(m.gone)
     return settle
@@ -111,7 +112,14 @@ def adopt_sessions(orch: Orchestrator, reports: Reports, now: float, problems: l
                 problems.append(f"session {slot}/{s.conn} of job {s.job!r} is left out")
                 continue
             event = JobRegistered(
-                global_session(slot, s.conn), job.name, job.group, None, s.pids, exclusive=job.exclusive, slot=slot
+                global_session(slot, s.conn),
+                job.name,
+                job.group,
+                None,
+                s.pids,
+                exclusive=job.exclusive,
+                slot=slot,
+                freezes=job.freezes,
             )
             try:
                 sched.handle(event, now)

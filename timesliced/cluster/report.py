@@ -40,6 +40,7 @@ class ReportedJob(Wire):
     faulted: Annotated[str, Text()]
     span: Annotated[tuple[int, ...], Seq(Int())]
     gone: Annotated[bool, Flag()] = False
+    freezes: Annotated[bool, Flag()] = True
 
 
 @dataclass(frozen=True)

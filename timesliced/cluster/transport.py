@@ -38,7 +38,7 @@ from ..wire.proof import CHALLENGE_BYTES, Purpose, proof_matches, prove
 
 log = logging.getLogger(__name__)
 
-PEER_PROTOCOL = 2  # 2: proofs made by wire.proof
+PEER_PROTOCOL = 3  # 2: proofs made by wire.proof; 3: host readings, moves that leave a job intact, freezing
 NONCE_SIZE = CHALLENGE_BYTES
 MIN_TOKEN_LENGTH = 16
 STALL_BYTES = 8 << 20  # queued for a peer whose socket stopped taking data: past this, drop the connection

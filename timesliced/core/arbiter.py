@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from ..errors import TimeslicedError
 from .events import Effect, GrantLock, NotifyJob
 from .figures import Figures
 from .ledger import MemoryLedger
 from .location import Location
-from .model import Group, Switch
+from .model import Group, Refuse, Switch, Wait
 from .moves import Moves
 from .queues import BLOCKED, LockQueues
 from .registry import Registry
@@ -57,34 +58,39 @@ class Arbiter:
                 self.advance(group, now)
 
     def advance(self, group: Group, now: float) -> None:
-        """Police the holder's slice, or grant the head of the queue, or start the switch it needs."""
+        """Police the holder's slice, or grant the head of the queue, or start the switch it needs.
+
+        A head that cannot be made room for, with nothing under way that would change it, is told
+        why (its requests fail) and the next one is looked at.
+        """
         if group.holder is not None:
             self._police(group, now)
-        if group.holder is not None or group.switch is not None or not group.queue or group.draining:
+        while group.holder is None and group.switch is None and group.queue and not group.draining:
+            head = group.queue[0]
+            if not head.tickets:
+                return  # a kept turn: the group waits for its job to ask again (or the turn to lapse)
+            job = self._registry.jobs[head.job]  # never faulted or exiting: those leave the queue at once
+            if job.location is not Location.RESIDENT and job.location is not Location.PARKED:
+                return  # being parked by another group's switch; go on when that ends
+            plan = self._ledger.plan_room(job, now)
+            if isinstance(plan, Wait):
+                self._block(group, job.name, plan.why)
+                return  # waits until memory frees up (a holder elsewhere yields, a move ends, a job exits)
+            if isinstance(plan, Refuse):
+                self._refuse(group, plan.error)
+                continue
+            self._unblock(group)
+            if not plan and job.location is Location.RESIDENT:
+                self._grant(group, now, switch_s=0.0, restored=False, switched=False)
+                return
+            switch = Switch(job.name, now)
+            for v in plan:
+                switch.pending.add(self._moves.start(v, "snapshot", now))
+            self._journal.fields(group, SWITCH)
+            group.switch = switch
+            if not switch.pending:
+                self._continue(group, now)
             return
-        head = group.queue[0]
-        if not head.tickets:
-            return  # a kept turn: the group waits for its job to ask again (or the turn to lapse)
-        job = self._registry.jobs[head.job]  # never faulted or exiting: those leave the queue at once
-        if job.location is not Location.RESIDENT and job.location is not Location.PARKED:
-            return  # being parked by another group's switch; go on when that ends
-        victims = self._ledger.plan_room(job)
-        if victims is None:
-            self._block(group, job.name)
-            return  # waits until memory frees up (a holder elsewhere yields, a job exits)
-        if group.blocked is not None:
-            self._journal.fields(group, BLOCKED)
-            group.blocked = None
-        if not victims and job.location is Location.RESIDENT:
-            self._grant(group, now, switch_s=0.0, restored=False, switched=False)
-            return
-        switch = Switch(job.name, now)
-        for v in victims:
-            switch.pending.add(self._moves.start(v, "snapshot", now))
-        self._journal.fields(group, SWITCH)
-        group.switch = switch
-        if not switch.pending:
-            self._continue(group, now)
 
     def yield_lock(self, group: Group, now: float) -> None:
         """The holder's slice ends now."""
@@ -93,13 +99,19 @@ class Arbiter:
         self._figures.held(group, job, now - group.held_since, len(group.gpus))
         self._queues.vacate(group)
 
-    def move_finished(self, op: int, now: float) -> None:
-        """Move ``op`` ended: a switch that waited for it alone goes on."""
+    def move_finished(self, op: int, now: float, failed: TimeslicedError | None = None) -> None:
+        """Move ``op`` ended: a switch that waited for it alone goes on.
+
+        ``failed``: the switch's own restore failed, and this is why; its waiter is told so (a
+        parked job is not restored again in the same wait: that would fail the same way).
+        """
         for g in self._registry.groups.values():
             switch = g.switch
             if switch is not None and op in switch.pending:
                 self._journal.keep_set(switch.pending)
                 switch.pending.discard(op)
+                if failed is not None and switch.restoring and g.queue and g.queue[0].job == switch.incoming:
+                    self._refuse(g, failed)
                 if not switch.pending:
                     self._continue(g, now)
 
@@ -114,15 +126,30 @@ class Arbiter:
         if overdue is None:
             return
         assert group.holder is not None
+        holder = self._registry.jobs[group.holder]
         if overdue.warning is not None:
             self._journal.fields(group, OVERDUE)
             group.overdue_since = now
-            self._emit(NotifyJob(group.holder, "slice_overdue", overdue.warning))
-        if overdue.preempt is not None:
+            warning = overdue.warning
+            if not holder.freezes and policy.action == "preempt":
+                # Registration refuses such a job in a preempting group; one adopted from an earlier
+                # leader with other policies is only warned: parking it would unmap memory under its kernels.
+                warning = {
+                    **warning,
+                    "action": "warn",
+                    "reason": f"{warning['reason']}; its parking method cannot "
+                    "be preempted safely, so it is only warned",
+                }
+            self._emit(NotifyJob(group.holder, "slice_overdue", warning))
+        if overdue.preempt is not None and holder.freezes:
             self._preempt(group, now, {**overdue.data, "reason": overdue.preempt})
 
     def _preempt(self, group: Group, now: float, data: dict[str, object]) -> None:
-        """Take the lock from a holder that kept it too long, park it, and queue it again."""
+        """Take the lock from a holder that kept it too long, park it, and queue it again.
+
+        Its park starts only if the host can hold it: otherwise it stays resident (the waiter that
+        needs the room is told why when its turn comes).
+        """
         assert group.holder is not None
         job = self._registry.jobs[group.holder]
         sessions = set(group.holder_sessions)
@@ -130,16 +157,29 @@ class Arbiter:
         self._figures.preempted(group, job)
         self._emit(NotifyJob(job.name, "preempted", data))
         self._queues.requeue(group, job.name, sessions, now)
-        if job.location is Location.RESIDENT:
+        if job.location is Location.RESIDENT and self._ledger.host.admit([job], job.name, now, may_wait=False) is None:
             self._moves.start(job, "snapshot", now)  # its next GPU access waits until it is granted again
 
     # --- switches --------------------------------------------------------------------
 
-    def _block(self, group: Group, job: str) -> None:
-        if group.blocked != job:
+    def _block(self, group: Group, job: str, why: str) -> None:
+        if group.blocked != job or group.waiting_for != why:
             self._journal.fields(group, BLOCKED)
-            group.blocked = job
-            self._figures.deferred(group)
+            if group.blocked != job:
+                self._figures.deferred(group)
+            group.blocked, group.waiting_for = job, why
+
+    def _unblock(self, group: Group) -> None:
+        if group.blocked is not None:
+            self._journal.fields(group, BLOCKED)
+            group.blocked = group.waiting_for = None
+
+    def _refuse(self, group: Group, error: TimeslicedError) -> None:
+        """The head of the queue cannot be made room for: each of its requests fails with ``error``."""
+        self._unblock(group)
+        head = group.queue[0]
+        for ticket in list(head.tickets):
+            self._queues.fail(group, head, ticket, error)
 
     def _continue(self, group: Group, now: float) -> None:
         """All snapshots of the switch are done: restore, or re-plan, or give up."""
@@ -153,13 +193,14 @@ class Arbiter:
         if switch.restoring or not wanted or job is None or job.faulted:
             self._finish(group, now)
             return
-        victims = self._ledger.plan_room(job)
-        if victims is None:
+        victims = self._ledger.plan_room(job, now)
+        if isinstance(victims, (Wait, Refuse)):
             self._journal.fields(group, SWITCH)
-            group.switch = None  # a victim faulted and still holds memory; wait for memory
-            self._journal.fields(group, BLOCKED)
-            group.blocked = job.name
-            self._figures.deferred(group)
+            group.switch = None
+            if isinstance(victims, Wait):
+                self._block(group, job.name, victims.why)  # waits until what is in its way moves on
+            else:
+                self._refuse(group, victims.error)  # a victim's park failed, or it faulted and keeps its memory
             return
         if victims:
             self._journal.keep_set(switch.pending)

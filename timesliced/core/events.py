@@ -29,6 +29,11 @@ class JobRegistered:
     exclusive: bool = False
     # The cluster slot of the node the session is on (see core/ids.py); ``gpus`` are its GPUs.
     slot: int = 0
+    # True: the parking method stops the job's device work before it parks it (cuda-checkpoint
+    # locks the process, the simulated GPU guards its pages), so a holder that did not yield may be
+    # preempted. False (offload, engines): parking unmaps memory under running kernels, so the job
+    # may join no group that preempts.
+    freezes: bool = True
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,14 @@ class MoveFinished:
     # A failed restore whose outcome is unknown on some node (it did not answer): count the
     # job's memory as taken there rather than risk putting a second job on top of it.
     kept_memory: bool = False
+    # A failed move that left the job's state intact where it began (the backend said so,
+    # ``errors.StateIntact``): the job stays usable and the move is tried again later. False (the
+    # state is damaged, or nobody knows): the job is faulted until an operator resumes it.
+    intact: bool = False
+    code: str = ""  # the error code of the failure (``insufficient_host_memory``, ...), if known
+    # slot -> the bytes this move moved on that node (what its parked state takes in host memory
+    # after a snapshot); empty: all of ``nbytes`` on the job's first node.
+    by_slot: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,34 @@ class GroupsFrozen:
     reasons: dict[str, str]
 
 
+@dataclass(frozen=True)
+class HostMemoryRead:
+    """A node's daemon read how much host memory parked state may take there (no park was under way).
+
+    ``room``: bytes more parked state could take on the node now, its margin taken off (host
+    memory); ``limit``: the operator's budget for all parked state on the node, if any. ``pools``:
+    the places with limits of their own where parked state lives (a cgroup, the simulated GPU's
+    tmpfs) and the room left in each; ``members``: job -> the pools its parked state counts
+    against. ``sizes``: job -> the host bytes its park is expected to take, as measured (its
+    device memory). ``source``: the figures behind ``room`` and each pool, for status and errors.
+    """
+
+    slot: int
+    room: int
+    limit: int | None = None
+    pools: dict[str, int] = field(default_factory=dict)
+    members: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    source: dict[str, str] = field(default_factory=dict)  # "host" or a pool -> how its room was found
+
+
+@dataclass(frozen=True)
+class FaultCleared:
+    """An administrator found the cause of the job's fault gone: it may be granted again."""
+
+    job: str
+
+
 Event = (
     JobRegistered
     | SessionClosed
@@ -135,6 +176,8 @@ Event = (
     | ForceReleaseRequested
     | DrainRequested
     | GroupsFrozen
+    | HostMemoryRead
+    | FaultCleared
 )
 
 

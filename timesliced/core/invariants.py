@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
+from .host import HOLDS_HOST
 from .ledger import MemoryLedger
 from .location import Location
+from .model import Wait
 from .moves import Moves
 from .registry import Registry
 
@@ -58,3 +61,36 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves) -> None:
     for job in jobs.values():
         assert all(sessions.get(s) == job.name for s in job.sessions), job.name
         assert all(n >= 0 for n in job.footprint.values()), job.name
+        assert not job.parked or job.location in HOLDS_HOST, (
+            f"{job.name} is {job.location.value}, yet counts parked bytes"
+        )
+        assert all(n > 0 for n in job.parked.values()), job.name
+
+
+def live(registry: Registry, ledger: MemoryLedger, frozen: Mapping[str, str], now: float) -> None:
+    """Raise ``AssertionError`` if a waiter is left neither granted nor told why.
+
+    A group that is not frozen, not drained, held by nobody and not switching, whose head asks for
+    the lock, must be waiting (``Wait``, recorded in ``blocked``) for jobs that move on by themselves:
+    a holder (it yields, or its slice is policed), a job on the move, or one being reclaimed.
+    Anything else (room that can be made now, or that nothing under way will make) would have been
+    acted on: granted, switched to, or told why.
+    """
+    for g in registry.groups.values():
+        if g.name in frozen or g.draining or g.holder is not None or g.switch is not None or not g.queue:
+            continue
+        head = g.queue[0]
+        if not head.tickets:
+            continue  # a kept turn: it lapses by itself
+        job = registry.jobs[head.job]
+        if job.location.moving:
+            continue  # parked by another group's switch: that move ends by itself
+        plan = ledger.plan_room(job, now)
+        assert isinstance(plan, Wait), f"group {g.name}: its head {job.name} could be acted on, yet waits: {plan}"
+        assert plan.on, f"group {g.name}: {job.name} waits for nothing: {plan.why}"
+        incoming = {x.switch.incoming for x in registry.groups.values() if x.switch is not None}
+        for name in plan.on:
+            other = registry.jobs[name]
+            moves_on = registry.holds(other) or other.location.moving or other.exiting or name in incoming
+            assert moves_on, f"group {g.name}: {job.name} waits for {name}, which will not move on by itself"
+        assert g.blocked == job.name and g.waiting_for, f"group {g.name}: {job.name} waits without saying why"

@@ -3,6 +3,7 @@
 Every job that occupies a device (all but ``parked``) counts its footprint on each GPU, so a
 restore starts only once its memory is free and no GPU is ever over capacity. A memory request
 that does not fit parks idle jobs first and waits for their snapshots (a pending allocation).
+Every plan of parks is admitted against the host's budget for parked state (``host``) first.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 
 from .. import errors
 from .events import AllocateRegion, Effect, FailRequest, MemoryReleased, SessionId, Ticket
+from .host import HostLedger, human, refused
 from .location import Location
-from .model import Job
+from .model import PARK_RETRY_S, Job, Refuse, Wait
 from .registry import Registry
 from .undo import Journal
 
@@ -34,9 +36,15 @@ class MemoryLedger:
     """Capacities, footprints, and the plans that make room on the GPUs."""
 
     def __init__(
-        self, capacities: dict[int, int], registry: Registry, journal: Journal, emit: Callable[[Effect], None]
+        self,
+        capacities: dict[int, int],
+        registry: Registry,
+        host: HostLedger,
+        journal: Journal,
+        emit: Callable[[Effect], None],
     ) -> None:
         self.capacities = capacities
+        self.host = host
         self.pending: list[PendingAlloc] = []
         self._registry = registry
         self._journal = journal
@@ -59,20 +67,29 @@ class MemoryLedger:
 
     # --- making room -----------------------------------------------------------------
 
-    def plan_room(self, job: Job) -> list[Job] | None:
-        """The jobs to park before ``job`` may hold its group, or None to wait."""
-        need = {gpu: n for gpu, n in job.footprint.items() if n} if job.location is Location.PARKED else {}
-        victims = self.plan_evictions(need, exclude={job.name}) if need else []
-        rivals = self.rivals(job)
-        if victims is None or rivals is None:
-            return None
-        return victims + [r for r in rivals if r not in victims]
+    def plan_room(self, job: Job, now: float) -> list[Job] | Wait | Refuse:
+        """The jobs to park before ``job`` may hold its group; or why it waits, or why it cannot be.
 
-    def plan_evictions(self, need: dict[int, int], exclude: set[str]) -> list[Job] | None:
+        ``Wait``: something in the way moves on by itself (a holder yields, a move ends, a reclaim
+        frees host memory). ``Refuse``: nothing under way will make the room (a faulted job keeps
+        the memory, a park failed or does not fit the host's budget), so the waiter is told now.
+        """
+        need = {gpu: n for gpu, n in job.footprint.items() if n} if job.location is Location.PARKED else {}
+        victims = self.plan_evictions(need, {job.name}, now) if need else []
+        if victims is None:
+            return self._no_room(job, need, now)
+        rivals = self.rivals(job, now)
+        if not isinstance(rivals, list):
+            return rivals
+        parks = victims + [r for r in rivals if r not in victims]
+        verdict = self.host.admit(parks, job.name, now)
+        return parks if verdict is None else verdict
+
+    def plan_evictions(self, need: dict[int, int], exclude: set[str], now: float) -> list[Job] | None:
         """Idle resident jobs to park so that ``need`` (gpu -> bytes) fits, or None.
 
-        Holders, jobs on the move, faulted or exiting jobs and ``exclude`` are
-        never evicted; among the rest the least recently granted go first.
+        Holders, jobs on the move, faulted or exiting jobs, jobs whose park was refused a moment
+        ago and ``exclude`` are never evicted; among the rest the least recently granted go first.
         """
         groups = self._registry.groups.values()
         holders = {g.holder for g in groups if g.holder is not None}
@@ -85,6 +102,7 @@ class MemoryLedger:
                 and not j.faulted
                 # an exiting job is being reclaimed: parking it would race the reclaim
                 and not j.exiting
+                and refused(j, now) is None
                 and j.name not in exclude | holders | incoming
                 and any(j.footprint.get(gpu, 0) for gpu in need)
             ),
@@ -104,15 +122,54 @@ class MemoryLedger:
             return victims
         return None
 
-    def rivals(self, job: Job) -> list[Job] | None:
+    def _no_room(self, job: Job, need: dict[int, int], now: float) -> Wait | Refuse:
+        """Why ``need`` cannot be made room for on the GPUs now: a wait for what moves on, or a refusal."""
+        registry = self._registry
+        groups = registry.groups.values()
+        incoming = {g.switch.incoming for g in groups if g.switch is not None}
+        moving: set[str] = set()
+        stuck: list[str] = []
+        hosts_full = False
+        for gpu, n in sorted(need.items()):
+            if n <= self.capacities[gpu] - self.used(gpu):
+                continue
+            for other in registry.jobs.values():
+                held = other.footprint.get(gpu, 0)
+                if other is job or not held or not other.location.occupies_device:
+                    continue
+                what = f"job {other.name!r} keeps {human(held)} on GPU {gpu}"
+                refusal = refused(other, now)
+                if registry.holds(other) or other.location.moving or other.exiting or other.name in incoming:
+                    moving.add(other.name)
+                elif other.faulted:
+                    stuck.append(
+                        f"{what} and is faulted ({other.faulted}): an administrator resumes it once its cause "
+                        "is gone, or it exits"
+                    )
+                elif refusal is not None:
+                    hosts_full |= refusal.code == errors.InsufficientHostMemory.code
+                    stuck.append(f"{what} and could not be parked a moment ago ({refusal.reason})")
+        if moving:
+            short = ", ".join(f"GPU {g}" for g, n in sorted(need.items()) if n > self.capacities[g] - self.used(g))
+            return Wait(f"memory on {short}: waiting for {', '.join(sorted(moving))}", frozenset(moving))
+        why = "; ".join(stuck) or "its GPUs do not have the memory it needs"
+        message = f"cannot make room for job {job.name!r}: {why}. Try again later"
+        error: errors.TimeslicedError = (
+            errors.InsufficientHostMemory(message) if hosts_full else errors.SwitchFailed(message)
+        )
+        return Refuse(error)
+
+    def rivals(self, job: Job, now: float) -> list[Job] | Wait | Refuse:
         """Resident jobs that must be parked because ``job`` or they need the GPUs to themselves.
 
-        None when one of them cannot be parked now (it holds a lock or is on the
-        move); faulted and exiting jobs are passed over: parking them is not possible.
+        ``Wait`` when one of them cannot be parked now (it holds a lock or is on the move), ``Refuse``
+        when one's park failed a moment ago with its state intact; faulted and exiting jobs are
+        passed over: parking them is not possible.
         """
         registry = self._registry
         gpus = set(registry.groups[job.group].gpus)
         rivals: list[Job] = []
+        busy: set[str] = set()
         for other in registry.jobs.values():
             if other is job or not other.location.occupies_device or other.faulted or other.exiting:
                 continue
@@ -120,27 +177,44 @@ class MemoryLedger:
                 continue
             if not other.exclusive and not any(other.footprint.get(gpu) for gpu in gpus):
                 continue  # a sim job with nothing on these GPUs
-            busy = registry.holds(other) or any(
-                g.switch is not None and g.switch.incoming == other.name for g in registry.groups.values()
-            )
-            if busy or other.location is not Location.RESIDENT:
-                return None
+            switching = any(g.switch is not None and g.switch.incoming == other.name for g in registry.groups.values())
+            if registry.holds(other) or switching or other.location is not Location.RESIDENT:
+                busy.add(other.name)
+                continue
+            refusal = refused(other, now)
+            if refusal is not None:
+                message = (
+                    f"cannot make room for job {job.name!r}: job {other.name!r} shares its GPUs and could not be "
+                    f"parked a moment ago ({refusal.reason}); it is tried again within {PARK_RETRY_S:g} s, or "
+                    "sooner once host memory frees up or a job exits. Try again later"
+                )
+                if refusal.code == errors.InsufficientHostMemory.code:
+                    return Refuse(errors.InsufficientHostMemory(message))
+                return Refuse(errors.SwitchFailed(message))
             rivals.append(other)
+        if busy:
+            return Wait(
+                f"GPUs shared with {', '.join(sorted(busy))}, which holds a lock or is on the move", frozenset(busy)
+            )
         return sorted(rivals, key=lambda j: j.last_granted)
 
     # --- memory requests -------------------------------------------------------------
 
-    def plan_request(self, job: Job, gpu: int, nbytes: int, leaving: dict[int, int]) -> list[Job]:
-        """The idle jobs to park so that ``nbytes`` more fit on ``gpu`` for ``job``; raises ``OutOfMemory``.
+    def plan_request(self, job: Job, gpu: int, nbytes: int, leaving: dict[int, int], now: float) -> list[Job]:
+        """The idle jobs to park so that ``nbytes`` more fit on ``gpu`` for ``job``.
 
         ``leaving``: the snapshots already on their way (another process of this job asked first)
         and what each frees on ``gpu``, less what the requests already waiting for them take.
+        Raises ``OutOfMemory``, or ``InsufficientHostMemory`` when the parks would not fit the host.
         """
         waiting = sum(p.nbytes for p in self.pending if p.gpu == gpu)
         need = nbytes + waiting - sum(leaving.values())
-        victims = self.plan_evictions({gpu: need}, exclude={job.name})
+        victims = self.plan_evictions({gpu: need}, {job.name}, now)
         if victims is None:
             raise errors.OutOfMemory(self.oom_message(gpu, nbytes, job.name), gpu=gpu)
+        verdict = self.host.admit(victims, job.name, now, may_wait=False)
+        if isinstance(verdict, Refuse):
+            raise verdict.error
         return victims
 
     def reserve(self, job: Job, gpu: int, nbytes: int, requested: int, ticket: Ticket) -> None:

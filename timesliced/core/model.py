@@ -14,12 +14,15 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..errors import TimeslicedError
 from .events import SessionId, Ticket
 from .location import Location
 
 RECENT = 512  # samples kept per group and per job for medians and percentiles
 MAX_REQUESTS_PER_JOB = 256  # acquires of one job waiting at once (each of its processes may wait)
 AUTO = 0  # the request id of an acquire the scheduler made for a job (a preempted holder queued again)
+PARK_RETRY_S = 10.0  # a park that failed with the job's state intact is not tried again before this, unless
+# its cause may have gone sooner (host memory freed on its node, a job exited)
 
 
 class GroupState(enum.Enum):
@@ -40,6 +43,15 @@ class Waiter:
     kept_until: float | None = None  # a turn kept without requests (see ``keep_turn``) lapses then
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a job's park failed, or was refused, with its state intact; the park is not tried again until ``until``."""
+
+    reason: str
+    code: str  # the error code of the cause (``insufficient_host_memory``, ``park_refused``, ...)
+    until: float
+
+
 @dataclass
 class Job:
     name: str
@@ -50,8 +62,14 @@ class Job:
     location: Location = Location.RESIDENT
     footprint: dict[int, int] = field(default_factory=dict)  # gpu -> bytes
     exclusive: bool = False  # see JobRegistered.exclusive
-    faulted: str = ""  # why, if faulted
+    faulted: str = ""  # why, if faulted: its state is damaged or unknown, and an operator must resume it
     exiting: bool = False
+    freezes: bool = True  # see JobRegistered.freezes: it may be preempted
+    # Host memory (``host``): slot -> the bytes its parked state takes on that node's host while it
+    # is parked (or restoring), and the size its last park measured there (what the next is expected to take).
+    parked: dict[int, int] = field(default_factory=dict)
+    parked_size: dict[int, int] = field(default_factory=dict)
+    refusal: Refusal | None = None  # its last park failed with its state intact: not tried again for now
     last_granted: float = float("-inf")  # the least recently granted are parked first
     # figures
     slices: int = 0
@@ -85,6 +103,7 @@ class Group:
     last_holder: str | None = None
     draining: bool = False
     blocked: str | None = None  # the head job while it waits for memory or for a rival to leave
+    waiting_for: str | None = None  # what the head waits for then (shown in status)
     # figures
     created_at: float = 0.0
     grants: int = 0
@@ -95,3 +114,22 @@ class Group:
     deferred: int = 0  # times the head of the queue had to wait for memory or for a rival to leave
     switch_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     wait_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A head of a queue that cannot be made room for now, but will be once ``on`` move on by themselves.
+
+    ``on``: the jobs in its way that hold a lock, are on the move or are being reclaimed (never
+    empty: a wait that nothing will end is a ``Refuse``). ``why`` is shown in status.
+    """
+
+    why: str
+    on: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """A head of a queue that cannot be made room for, and nothing under way will change that: it is told now."""
+
+    error: TimeslicedError

@@ -18,7 +18,7 @@ from .registry import Registry
 from .undo import Fields, Journal
 
 LOCK = Fields("holder", "holder_sessions", "held_since", "overdue_since", "fence", "last_holder")
-BLOCKED = Fields("blocked")
+BLOCKED = Fields("blocked", "waiting_for")
 KEPT = Fields("kept_until")
 
 
@@ -114,7 +114,7 @@ class LockQueues:
         if not waiter.tickets:
             if group.blocked == waiter.job:
                 journal.fields(group, BLOCKED)
-                group.blocked = None  # its next wait is a new one
+                group.blocked = group.waiting_for = None  # its next wait is a new one
             journal.keep_list(group.queue)
             group.queue.remove(waiter)
 

@@ -62,7 +62,14 @@ class Rebuild:
         return self._registry.forget_group(name).fence
 
     def adopt_job(
-        self, name: str, group: str, exclusive: bool, location: Location, footprint: dict[int, int], faulted: str
+        self,
+        name: str,
+        group: str,
+        exclusive: bool,
+        location: Location,
+        footprint: dict[int, int],
+        faulted: str,
+        freezes: bool = True,
     ) -> None:
         registry = self._registry
         if name in registry.jobs or group not in registry.groups:
@@ -73,7 +80,7 @@ class Rebuild:
         unknown = sorted(set(footprint) - set(self._ledger.capacities))
         if unknown:
             raise ValueError(f"job {name!r} holds memory on unknown GPUs {unknown}")
-        job = Job(name, group, exclusive=exclusive, location=location, faulted=faulted)
+        job = Job(name, group, exclusive=exclusive, location=location, faulted=faulted, freezes=freezes)
         job.footprint = {gpu: n for gpu, n in footprint.items() if n}
         registry.add_job(job)
 

@@ -67,7 +67,7 @@ class Registry:
             raise errors.GroupMismatch(f"job {ev.job!r} belongs to group {job.group!r}, not {ev.group!r}")
         if job is not None and job.exiting:
             raise errors.JobFaulted(f"job {ev.job!r} is being torn down; register again shortly")
-        if job is not None and job.exclusive != ev.exclusive:
+        if job is not None and (job.exclusive, job.freezes) != (ev.exclusive, ev.freezes):
             raise errors.BadRequest(f"job {ev.job!r} is already registered with another parking method")
         if not node_gpus:
             raise errors.UnknownDevice("this node has no GPUs")
@@ -78,7 +78,7 @@ class Registry:
             journal.fields(group, GPUS)
             group.gpus = tuple(sorted(group.gpus + (gpus or node_gpus)))
         if job is None:
-            job = self.add_job(Job(ev.job, ev.group, exclusive=ev.exclusive))
+            job = self.add_job(Job(ev.job, ev.group, exclusive=ev.exclusive, freezes=ev.freezes))
         journal.keep_set(job.sessions)
         journal.keep_set(job.pids)
         journal.keep_key(self.sessions, ev.session)

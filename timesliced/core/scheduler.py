@@ -10,6 +10,7 @@ runs it as one step, and owns the effect buffer. The concerns, one module each:
 - ``registry``: sessions, jobs and groups by name, and registration;
 - ``queues``: each group's holder and FIFO of waiters, request deadlines, kept turns;
 - ``ledger``: capacities, footprints, eviction plans, allocations waiting for snapshots;
+- ``host``: the host memory parked state takes on each node, and the admission of parks against it;
 - ``moves``: snapshots, restores and reclaims in flight, and every change of a job's location
   (through the table in ``location``);
 - ``slices``: the maximum slice policies;
@@ -32,7 +33,12 @@ Invariants (``check_invariants``), kept after every input:
   job being reclaimed (exiting) never starts a move;
 - fences grow strictly with every new grant of a group;
 - on every GPU the bytes of jobs that occupy it (resident, parking, restoring)
-  never exceed its capacity: a restore is started only once the memory is free.
+  never exceed its capacity: a restore is started only once the memory is free;
+- no park starts that the host's budget for parked state cannot hold (``host``);
+- a group that nobody holds, is not switching and has a head with requests
+  is waiting for something that moves on by itself (a holder, a move, a
+  reclaim): a head that nothing under way will make room for is told why at
+  once, so no waiter is ever left neither granted nor told.
 """
 
 from __future__ import annotations
@@ -50,9 +56,11 @@ from .events import (
     DrainRequested,
     Effect,
     Event,
+    FaultCleared,
     ForceReleaseRequested,
     GrantLock,
     GroupsFrozen,
+    HostMemoryRead,
     JobExited,
     JobRegistered,
     MemoryReleased,
@@ -65,6 +73,7 @@ from .events import (
     SessionId,
 )
 from .figures import Figures
+from .host import HostLedger
 from .ledger import MemoryLedger, PendingAlloc
 from .location import Cause, Location
 from .model import AUTO, Group, GroupState, Job
@@ -103,7 +112,8 @@ class Scheduler:
         self.registry = Registry(self.capacities, journal)
         self.groups, self.jobs, self.sessions = self.registry.groups, self.registry.jobs, self.registry.sessions
         self.figures = Figures()
-        self.ledger = MemoryLedger(self.capacities, self.registry, journal, emit)
+        self.host = HostLedger(self.registry, journal)
+        self.ledger = MemoryLedger(self.capacities, self.registry, self.host, journal, emit)
         self.queues = LockQueues(self.registry, journal, emit, max_waiters)
         self.moves = Moves(self.registry, journal, emit)
         self.slices = SlicePolicies(dict(policies or {}))
@@ -126,6 +136,8 @@ class Scheduler:
             ForceReleaseRequested: self._on_force_release,
             DrainRequested: self._on_drain,
             GroupsFrozen: self._on_frozen,
+            HostMemoryRead: self._on_host_read,
+            FaultCleared: self._on_fault_cleared,
         }
 
     # --- shell interface -------------------------------------------------------------
@@ -141,8 +153,18 @@ class Scheduler:
 
     def _event(self, event: Event, now: float) -> Any:
         result = self._handlers[type(event)](event, now)
-        self.arbiter.advance_all(now, self._frozen)
+        self._advance(now)
         return result
+
+    def _advance(self, now: float) -> None:
+        """Advance every group until none acts: what one group did (a preemption, a grant, a waiter
+        told why) may change what another, visited before it, waits for."""
+        effects = self._effects
+        for _ in range(len(self.groups) + 1):
+            mark = len(effects)
+            self.arbiter.advance_all(now, self._frozen)
+            if len(effects) == mark or len(self.groups) < 2:
+                return
 
     def handle_timers(self, now: float) -> None:
         """Expire every acquire whose deadline is at or before ``now``, and police slices."""
@@ -182,6 +204,8 @@ class Scheduler:
         kept = self.queues.kept_deadline(g)
         policy = self.slices.policy(g.name) if g.holder is not None else None
         due = policy.due(g) if policy is not None and self.queues.others_wait(g) else None
+        if due is not None and g.overdue_since is not None and not self.jobs[g.holder or ""].freezes:
+            due = None  # warned already, and never preempted: see Arbiter._police
         if kept is None or due is None:
             return due if kept is None else kept
         return min(kept, due)
@@ -213,9 +237,14 @@ class Scheduler:
         """A plain-data picture of the scheduler for ``status`` and the dashboard (``wire.status``)."""
         return status.describe(self.registry, self.ledger, self.slices, self._frozen, now)
 
-    def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if any invariant is broken (used by tests)."""
+    def check_invariants(self, now: float | None = None) -> None:
+        """Raise ``AssertionError`` if any invariant is broken (used by tests).
+
+        With ``now``, also that no free group's head is left waiting for nothing (``invariants.live``).
+        """
         invariants.check(self.registry, self.ledger, self.moves)
+        if now is not None:
+            invariants.live(self.registry, self.ledger, self._frozen, now)
 
     @property
     def _moves(self) -> dict[int, Move]:
@@ -252,9 +281,10 @@ class Scheduler:
         location: Location,
         footprint: dict[int, int],
         faulted: str = "",
+        freezes: bool = True,
     ) -> None:
         """A job the nodes report, with where its state lives and what it holds on each GPU."""
-        self._step(self._rebuild.adopt_job, name, group, exclusive, location, footprint, faulted)
+        self._step(self._rebuild.adopt_job, name, group, exclusive, location, footprint, faulted, freezes)
 
     def adopt_holder(self, group: str, job: str, sessions: set[SessionId], fence: int, now: float) -> None:
         """``job`` holds ``group`` through ``sessions`` under ``fence`` (granted by an earlier leader)."""
@@ -291,6 +321,14 @@ class Scheduler:
     # --- events ----------------------------------------------------------------------
 
     def _on_registered(self, ev: JobRegistered, now: float) -> dict[str, Any]:
+        policy = self.slices.policy(ev.group)
+        if not ev.freezes and ev.job not in self.jobs and policy is not None and policy.action == "preempt":
+            raise errors.PreemptionUnsafe(
+                f"group {ev.group!r} preempts a holder past its maximum slice of {policy.max_slice:g} s, and job "
+                f"{ev.job!r} is parked by a method that cannot stop its GPU work first (offload, vllm, sglang): "
+                "parking it without its yield would unmap memory under running kernels. Register it in a group "
+                "whose slice action is warn, or park it with cuda-checkpoint"
+            )
         return self.registry.register(ev, now)
 
     def _on_session_closed(self, ev: SessionClosed, now: float) -> None:
@@ -356,7 +394,8 @@ class Scheduler:
             self.ledger.reserve(job, ev.gpu, ev.nbytes, requested, ticket)
             return
         leaving = self.moves.leaving(ev.gpu)
-        victims = self.ledger.plan_request(job, ev.gpu, ev.nbytes, leaving)  # raises OutOfMemory
+        # raises OutOfMemory, or InsufficientHostMemory when the parks would not fit the host
+        victims = self.ledger.plan_request(job, ev.gpu, ev.nbytes, leaving, now)
         ops = {op for op, n in leaving.items() if n} | {self.moves.start(v, "snapshot", now) for v in victims}
         self.ledger.wait(PendingAlloc(ticket, job.name, ev.gpu, ev.nbytes, requested, ops))
 
@@ -369,12 +408,34 @@ class Scheduler:
         group = self.groups[job.group]
         done = {Cause.SNAPSHOT_DONE: "snapshot", Cause.RESTORE_DONE: "restore"}.get(cause)
         self.figures.moved(group, job, ev.nbytes, done)
-        if done is None:
+        if cause is Cause.SNAPSHOT_DONE:
+            self.host.parked(job, ev.by_slot, ev.nbytes)
+        elif cause in (Cause.RESTORE_DONE, Cause.RESTORE_UNKNOWN):
+            self.host.unparked(job, now)
+        failed = None
+        if done is None and ev.intact and not ev.kept_memory:
+            # Its state is whole where the move began: the job stays usable, and the move is tried again later.
+            reason = f"{move.kind} failed: {ev.error or 'no reason given'}"
+            if move.kind == "snapshot":
+                self.host.refuse(job, reason, ev.code, now)
+            data: dict[str, object] = {"job": job.name, "kind": move.kind, "reason": reason, "intact": True}
+            self._effects.append(NotifyJob(job.name, "move_failed", data))
+            if move.kind == "restore":
+                failed = self._switch_error(job, reason, ev.code)
+        elif done is None:
             self._fault(job, f"{move.kind} failed: {ev.error}")
         if job.exiting:
             self.moves.reclaim(job, now)
-        self.arbiter.move_finished(ev.op, now)
+        self.arbiter.move_finished(ev.op, now, failed)
         self.ledger.retry(ev.op)
+
+    def _switch_error(self, job: Job, reason: str, code: str) -> errors.TimeslicedError:
+        message = (
+            f"job {job.name!r} could not be restored ({reason}); its state is intact in host memory. Try again later"
+        )
+        if code == errors.InsufficientHostMemory.code:
+            return errors.InsufficientHostMemory(message)
+        return errors.SwitchFailed(message)
 
     def _on_job_exited(self, ev: JobExited, now: float) -> None:
         job = self.jobs.get(ev.job)
@@ -382,6 +443,7 @@ class Scheduler:
             return
         self._journal.fields(job, EXITING)
         job.exiting = True
+        self.host.freed(None, now)  # a job exited: a park refused a moment ago may go now
         group = self.groups[job.group]
         gone = errors.JobFaulted(f"job {job.name!r} exited")
         self.queues.fail_job(group, job.name, gone)
@@ -395,6 +457,7 @@ class Scheduler:
 
     def _on_reclaim_finished(self, ev: ReclaimFinished, now: float) -> None:
         move = self.moves.finish_reclaim(ev.op)  # raises ValueError for an unknown op
+        self.host.unparked(self.jobs[move.job], now)  # its parked state is gone from its nodes' hosts
         self.registry.forget_job(move.job)
 
     def _on_force_release(self, ev: ForceReleaseRequested, now: float) -> dict[str, Any]:
@@ -420,9 +483,31 @@ class Scheduler:
         self._journal.fields(self, FROZEN)
         self._frozen = dict(ev.reasons)
 
+    def _on_host_read(self, ev: HostMemoryRead, now: float) -> None:
+        """Raises ``ValueError`` for a negative limit."""
+        self.host.read(ev.slot, ev.room, ev.limit, ev.pools, ev.members, ev.sizes, ev.source, now)
+
+    def _on_fault_cleared(self, ev: FaultCleared, now: float) -> dict[str, Any]:
+        """Raises ``UnknownJob``, ``BadRequest`` (not faulted, or on the move) or ``JobFaulted`` (exiting)."""
+        job = self.jobs.get(ev.job)
+        if job is None:
+            raise errors.UnknownJob(f"no job {ev.job!r} (jobs: {', '.join(sorted(self.jobs)) or 'none'})")
+        if not job.faulted:
+            raise errors.BadRequest(f"job {job.name!r} is not faulted: there is nothing to resume")
+        if job.exiting:
+            raise errors.JobFaulted(f"job {job.name!r} exited; its state is being reclaimed")
+        if job.location.moving:
+            raise errors.BadRequest(f"job {job.name!r} is {job.location.value}; resume it once that move ends")
+        reason = job.faulted
+        self._journal.fields(job, FAULTED)
+        job.faulted = ""
+        self.host.clear(job)
+        self._effects.append(NotifyJob(job.name, "resumed", {"job": job.name, "was": reason}))
+        return {"job": job.name, "group": job.group, "location": job.location.value, "was": reason}
+
     def _on_timers(self, now: float) -> None:
         self.queues.expire(now)
-        self.arbiter.advance_all(now, self._frozen)
+        self._advance(now)
 
     def _fault(self, job: Job, reason: str) -> None:
         self._journal.fields(job, FAULTED)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from ..util.stats import median, percentile
 from ..wire import status as schema
+from .host import HostLedger, refused
 from .ledger import MemoryLedger
 from .location import Location
 from .model import AUTO, Group, GroupState, Job
@@ -46,13 +47,35 @@ def describe(
             for gpu, cap in sorted(ledger.capacities.items())
         ],
         "groups": [_group(registry, slices, frozen, g, now) for g in registry.groups.values()],
-        "jobs": [_job(registry, j, now) for j in jobs],
+        "jobs": [_job(registry, ledger.host, j, now) for j in jobs],
+        "host": [_host(ledger.host, slot, now) for slot in sorted(ledger.host.nodes)],
     }
 
 
-def _job(registry: Registry, j: Job, now: float) -> schema.JobFigures:
+def _host(host: HostLedger, slot: int, now: float) -> schema.HostBudget:
+    node = host.nodes[slot]
+    held, reserved, freeing = host.accounts(slot)
+    pools: dict[str, schema.HostPool] = {
+        pool: {"budget": budget, "parked": host.accounts(slot, pool)[0]} for pool, budget in sorted(node.pools.items())
+    }
+    return {
+        "slot": slot,
+        "budget": node.budget,
+        "limit": node.limit,
+        "room": node.room,
+        "parked": held,
+        "reserved": reserved,
+        "freeing": freeing,
+        "read_s_ago": max(0.0, now - node.read_at),
+        "pools": pools,
+        "source": dict(node.source),
+    }
+
+
+def _job(registry: Registry, host: HostLedger, j: Job, now: float) -> schema.JobFigures:
     group = registry.groups[j.group]
     held = now - group.held_since if group.holder == j.name else 0.0
+    refusal = refused(j, now)
     return {
         "job": j.name,
         "group": j.group,
@@ -61,6 +84,8 @@ def _job(registry: Registry, j: Job, now: float) -> schema.JobFigures:
         "sessions": len(j.sessions),
         "pids": sorted(j.pids),
         "footprint": {str(k): v for k, v in sorted(j.footprint.items())},
+        "parked_bytes": host.parked_bytes(j),
+        "park_refused": refusal.reason if refusal is not None else None,
         "slices": j.slices,
         "restores": j.restores,
         "snapshots": j.snapshots,
@@ -97,6 +122,7 @@ def _group(registry: Registry, slices: SlicePolicies, frozen: Mapping[str, str],
         "switching_to": g.switch.incoming if g.switch else None,
         "draining": g.draining,
         "frozen": frozen.get(g.name),
+        "waiting_for": g.waiting_for,
         "deferred": g.deferred,
         "grants": g.grants,
         "switches": g.switches,

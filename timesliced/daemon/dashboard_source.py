@@ -58,5 +58,11 @@ class DaemonView:
     def drain(self, group: str, on: bool) -> dict[str, Any]:
         return self._d.admin(DrainRequested(group, on))
 
+    def resume(self, group: str) -> dict[str, Any]:
+        return self._d.resume_group(group)
+
+    def resume_job(self, job: str) -> dict[str, Any]:
+        return self._d.resume_job(job)
+
     def ready(self) -> bool:
         return self._d.serving

@@ -16,7 +16,7 @@ from ..cluster.asks import Acquire, Alloc, Cancel, Register, Release, Request
 from ..cluster.node import ClusterNode
 from ..core.history import History
 from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
-from ..wire.park import ParkSpec
+from ..wire.park import FREEZING, ParkSpec
 from .authz import checked_pids
 from .directives import Directives
 from .jobs import NodeJobs
@@ -81,6 +81,7 @@ class ClientOps:
             pids=tuple(sorted(pids)),
             exclusive=spec.method != "sim",
             extra={"session": conn.id, "park": spec.method},  # what the reply carries besides the core's answer
+            freezes=spec.method in FREEZING,
         )
         result = self._forward(conn, request)
         self.jobs.park[job] = spec  # the same as before, or the job is not (yet) registered here

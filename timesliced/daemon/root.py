@@ -20,25 +20,27 @@ from aiohttp import web
 from .. import errors
 from ..backends.base import JobTarget
 from ..backends.offload import Direct
-from ..cluster.asks import Request
+from ..cluster.asks import Register, Request
 from ..cluster.effects import Allocate, Fail, Noted, Push, RecordGrant, Reply, RunMove, Send
 from ..cluster.messages import MalformedPeerMessage
 from ..cluster.node import PENDING, ClusterNode
 from ..cluster.transport import PeerTransport
 from ..config import DaemonConfig
 from ..core.election import Persist
-from ..core.events import DrainRequested, ForceReleaseRequested
+from ..core.events import DrainRequested, FaultCleared, ForceReleaseRequested
 from ..core.history import GroupView, History
 from ..metrics import Metrics
 from ..telemetry import MoveLog, SimGpuSource, Telemetry
 from ..util.compat import TaskGroup
 from ..util.processes import pid_alive
 from ..version import __version__
+from ..wire.park import ENGINES, FREEZING
 from ..wire.status import Status
 from .crash import CrashPoints
 from .dashboard_source import DaemonView
 from .directives import Directives
 from .election_file import load_election, save_election
+from .host_memory import HostMemory, JobPlace
 from .jobs import NodeJobs
 from .journal import Journal
 from .moves import Mover
@@ -103,6 +105,13 @@ class Daemon:
             lease=config.lease,
             max_per_client=config.max_connections_per_client,
         )
+        self.host_memory = HostMemory(
+            limit=config.host_memory_limit,
+            margin=config.host_memory_margin,
+            sim_dir=config.resolved_sim_dir() if self.parking.sim is not None else None,
+            root=config.host_root,
+        )
+        self._host_failing = False  # log a run of failed readings once
         sim_source = self._sim_gpu_source()
         self.telemetry = Telemetry(self.parking.nvml or sim_source, interval=config.telemetry_interval, clock=self._now)
         self.moves = MoveLog()
@@ -117,6 +126,7 @@ class Daemon:
             sim_source=sim_source,
             moves=self.moves,
             peers=lambda: self.peers,
+            host_memory=self.host_memory,
             clock=self._now,
         )
         self.metrics = Metrics(self.status, node=config.node)
@@ -165,6 +175,7 @@ class Daemon:
         try:
             await self.recovery.take_up(self.cluster, self._now())
             await self._start_cluster()
+            self.read_host()  # before any park can be planned
             await self.server.start_unix(self.config.resolved_socket())
             bound = True
             if self.config.listen is not None:
@@ -180,9 +191,18 @@ class Daemon:
                 len(self.cluster.devices),
                 "simulated" if self.parking.device_source == "sim" else "real",
             )
+            preempting = sorted(g for g, p in self.config.slice_policies.items() if p.action == "preempt")
+            if preempting and self.parking.default not in FREEZING:
+                log.warning(
+                    "jobs parked with %s (the default method) cannot be preempted safely: groups %s, which preempt, "
+                    "refuse them; park them with cuda-checkpoint, or make those groups warn",
+                    self.parking.default,
+                    ", ".join(preempting),
+                )
             async with TaskGroup() as tasks:
                 self._tasks = tasks
                 self._spawn(self._watch_processes())
+                self._spawn(self._watch_host())
                 if self.config.lease:
                     self._spawn(self._watch_leases())
                 self._spawn(self.telemetry.run())
@@ -282,15 +302,22 @@ class Daemon:
         """Hand a client's request to the cluster (the leader, wherever it is)."""
         self._conns[conn.id] = conn
         result = self._step(self.cluster.request, request, self._now())
+        if isinstance(request, Register):
+            self.read_host()  # the new job's processes and their cgroups count before its first park
         return DEFERRED if result is PENDING else result
 
     def _connections_of(self, job: str) -> list[Connection]:
         local = self.cluster.jobs.get(job)
         return [c for s in sorted(local.sessions) if (c := self._conns.get(s))] if local else []
 
-    def admin(self, event: ForceReleaseRequested | DrainRequested) -> dict[str, Any]:
+    def admin(self, event: ForceReleaseRequested | DrainRequested | FaultCleared) -> dict[str, Any]:
         """An administrator's action (the dashboard checked the token); raises ``TimeslicedError``."""
         result: dict[str, Any] = self._step(self.cluster.admin, event, self._now())
+        if isinstance(event, FaultCleared):
+            what = f"job {event.job!r} resumed (it was faulted: {result['was']})"
+            log.warning("administrator: %s", what)
+            self.history.record("admin", self._now(), group=result["group"], job=event.job, detail=what)
+            return result
         if isinstance(event, ForceReleaseRequested):
             what = f"force-released from {result['released']}"
         else:
@@ -298,6 +325,48 @@ class Daemon:
         log.warning("administrator: group %r %s", event.group, what)
         self.history.record("admin", self._now(), group=event.group, detail=what)
         return result
+
+    def resume_job(self, job: str) -> dict[str, Any]:
+        """Clear ``job``'s fault once its cause is gone; raises ``TimeslicedError`` (``JobFaulted``: it is not).
+
+        Where this node's backend can tell (the simulated GPU), the job's state must be whole where the
+        scheduler has it; elsewhere the operator vouches for it.
+        """
+        self._check_resumable(job)
+        return self.admin(FaultCleared(job))
+
+    def resume_group(self, group: str) -> dict[str, Any]:
+        """Resume a drained group and clear the faults of its jobs whose cause is gone; raises ``TimeslicedError``."""
+        result = self.admin(DrainRequested(group, False))
+        scheduler = self.cluster.scheduler
+        faulted = sorted(j.name for j in scheduler.jobs.values() if j.group == group and j.faulted) if scheduler else []
+        resumed, kept = [], {}
+        for job in faulted:
+            try:
+                self.resume_job(job)
+                resumed.append(job)
+            except errors.TimeslicedError as exc:
+                kept[job] = exc.message
+        return {**result, "resumed": resumed, "still_faulted": kept}
+
+    def _check_resumable(self, job: str) -> None:
+        scheduler = self.cluster.scheduler
+        core = scheduler.jobs.get(job) if scheduler is not None else None
+        spec = self.jobs.park.get(job)
+        sim = self.parking.sim
+        if core is None or spec is None or spec.method != "sim" or sim is None or not core.faulted:
+            return  # the core refuses what is unknown or not faulted; other backends cannot tell
+        state = sim.verify(job)
+        if state == "faulted":
+            raise errors.JobFaulted(
+                f"job {job!r} cannot be resumed: its simulated GPU state is lost (its device copy, or a parked "
+                "file, is gone); end the job and start it again"
+            )
+        if state in ("resident", "parked") and state != core.location.value:
+            raise errors.JobFaulted(
+                f"job {job!r} cannot be resumed: its simulated GPU state is {state}, not {core.location.value} "
+                "as the scheduler has it; end the job and start it again"
+            )
 
     @property
     def serving(self) -> bool:
@@ -375,7 +444,7 @@ class Daemon:
         elif isinstance(effect, Noted):
             level = logging.INFO if effect.kind == "leader" else logging.WARNING
             log.log(level, "%s%s", f"job {effect.job!r}: " if effect.job else "", effect.text)
-            if effect.kind in ("faulted", "slice_overdue", "preempted"):
+            if effect.kind in ("faulted", "slice_overdue", "preempted", "move_failed"):
                 local = self.cluster.jobs.get(effect.job or "")
                 group = effect.group or (local.group if local else None)
                 self.history.record(effect.kind, self._now(), group=group, job=effect.job, detail=effect.text)
@@ -404,8 +473,73 @@ class Daemon:
     def _target(self, job: str) -> JobTarget:
         return self.jobs.target(self.cluster, job)
 
-    def _move_finished(self, key: tuple[int, int, int], ok: bool, nbytes: int, seconds: float, error: str) -> None:
-        self._step(self.cluster.move_finished, key, ok, nbytes, seconds, error, self._now())
+    def _move_finished(
+        self, key: tuple[int, int, int], ok: bool, nbytes: int, seconds: float, error: str, intact: bool, code: str
+    ) -> None:
+        now = self._now()
+        self._step(
+            functools.partial(self.cluster.move_finished, intact=intact, code=code),
+            key,
+            ok,
+            nbytes,
+            seconds,
+            error,
+            now,
+        )
+        self.read_host()  # what the move took or gave back, before the next park is planned
+
+    # --- host memory for parked state ----------------------------------------------------
+
+    def read_host(self) -> None:
+        """Read the host's memory for parked state and tell the scheduler, unless a move is under way here.
+
+        A reading taken mid-move would count part of it; the next one after it ends is exact.
+        """
+        if self.cluster.moving:
+            return
+        try:
+            reading = self.host_memory.read(self._host_jobs(), self._now())
+        except Exception:  # a figure that cannot be read must not stop the daemon; the last reading stands
+            if not self._host_failing:
+                log.exception("reading the host's memory failed; parks are admitted by the last reading")
+            self._host_failing = True
+            return
+        if self._host_failing:
+            log.info("the host's memory can be read again")
+            self._host_failing = False
+        for problem in reading.errors:
+            log.debug("host memory: %s", problem)
+        self._step(self.cluster.host_read, reading.notice, self._now())
+
+    def _host_jobs(self) -> list[JobPlace]:
+        """This node's jobs as a reading needs them: method, processes, and measured device memory."""
+        per_pid: dict[int, dict[int, int]] = {}
+        nvml = self.parking.nvml
+        if nvml is not None:
+            try:
+                per_pid = nvml.process_memory()
+            except errors.TimeslicedError as exc:
+                log.debug("host memory: no process figures from NVML: %s", exc.message)
+        out = []
+        for name, local in sorted(self.cluster.jobs.items()):
+            spec = self.jobs.park.get(name)
+            if spec is None or local.gone:
+                continue
+            target = self.jobs.target(self.cluster, name)
+            # What its park is expected to put in host memory: its device memory (a checkpoint copies all of
+            # it; offload and an engine's level 1 copy a part). A simulated job's is the scheduler's own
+            # count, and an engine at sleep level 2 discards its weights: nothing is measured for those.
+            measured = sum(sum(per_pid.get(pid, {}).values()) for pid in target.pids)
+            size = measured or sum(self.jobs.measured.get(name, {}).values())
+            if spec.method == "sim" or (spec.method in ENGINES and spec.level == 2):
+                size = 0
+            out.append(JobPlace(name, spec.method, target.pids, size))
+        return out
+
+    async def _watch_host(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.host_memory_interval)
+            self.read_host()
 
     def _save_journal(self) -> None:
         self._journal_due = False

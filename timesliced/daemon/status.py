@@ -17,6 +17,7 @@ from ..config import DaemonConfig
 from ..telemetry import MoveLog, SimGpuSource, Telemetry
 from ..version import __version__
 from ..wire import status as schema
+from .host_memory import HostMemory
 from .jobs import NodeJobs
 from .parking import Parking
 from .server import ClientServer
@@ -40,6 +41,7 @@ class StatusReport:
         sim_source: SimGpuSource | None,
         moves: MoveLog,
         peers: Callable[[], PeerTransport | None],
+        host_memory: HostMemory,
         clock: Callable[[], float],
     ) -> None:
         self.config = config
@@ -51,6 +53,7 @@ class StatusReport:
         self.sim_source = sim_source
         self.moves = moves
         self.peers = peers
+        self.host_memory = host_memory
         self.clock = clock
         self.started_at = time.time()
 
@@ -76,6 +79,7 @@ class StatusReport:
             "cluster": cluster,
             "telemetry": self.telemetry.describe(now),
             "moves": self.moves_with_wall_times(now),
+            "host_memory": self.host_memory.describe(now),
         }
 
     def leader_picture(self, now: float) -> schema.Picture:
@@ -84,7 +88,7 @@ class StatusReport:
         assert scheduler is not None
         seen = scheduler.describe(now)
         jobs: list[schema.Job] = [{**job, **self._parking_of(job["job"])} for job in seen["jobs"]]
-        return {"devices": seen["devices"], "groups": seen["groups"], "jobs": jobs}
+        return {"devices": seen["devices"], "groups": seen["groups"], "jobs": jobs, "host": seen["host"]}
 
     def _parking_of(self, job: str) -> _Parked:
         spec = self.jobs.park.get(job)
@@ -96,7 +100,7 @@ class StatusReport:
         seen = self.cluster.describe_local()
         # A Job without the scheduler's figures (they are the leader's): mypy cannot see that through **.
         jobs = [cast(schema.Job, {**place, **self._parking_of(place["job"])}) for place in seen["jobs"]]
-        return {"devices": seen["devices"], "groups": [], "jobs": jobs}
+        return {"devices": seen["devices"], "groups": [], "jobs": jobs, "host": []}
 
     def moves_with_wall_times(self, now: float) -> schema.Moves:
         log = self.moves.describe()

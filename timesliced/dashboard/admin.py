@@ -1,14 +1,16 @@
-"""The admin actions: force-release, drain and resume a group, behind the admin token.
+"""The admin actions: force-release, drain and resume a group, resume a faulted job, behind the admin token.
 
 ``GET /api/v1/admin``                              ``{"enabled", "authorized"}`` (authorized: null without a token sent)
-``POST /api/v1/groups/NAME/release|drain|resume``  the source's answer
+``POST /api/v1/groups/NAME/release|drain|resume``  the source's answer (resume also clears its jobs' faults)
+``POST /api/v1/jobs/NAME/resume``                  the source's answer: the job's fault is cleared
 
 The rest of the dashboard is read-only. An action needs ``Authorization: Bearer <admin token>``
-(401 without, 403 when wrong or when no token is configured; 404 unknown group, 409 nobody holds
-it). Browsers never attach that header by themselves, and a body must be JSON, so a cross-site form
-or link cannot trigger an action. The token is compared in constant time and never logged.
-Wrong tokens are answered one at a time, each after ``WRONG_TOKEN_DELAY_S``: guessing gets no
-faster with more connections, and other requests are never held up.
+(401 without, 403 when wrong or when no token is configured; 404 unknown group or job, 409 nobody
+holds it, or the job cannot be resumed). Browsers never attach that header by themselves, and a
+body must be JSON, so a cross-site form or link cannot trigger an action. The token is compared
+in constant time and never logged. Wrong tokens are answered one at a time, each after
+``WRONG_TOKEN_DELAY_S``: guessing gets no faster with more connections, and other requests are
+never held up.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ import logging
 from aiohttp import web
 
 from .. import errors
-from .context import SETTINGS, SOURCE
+from .context import API, SETTINGS, SOURCE
 from .encoding import json_response
 from .params import HttpError
 
-__all__ = ["GUESSES", "WRONG_TOKEN_DELAY_S", "drain", "release", "resume", "state"]
+__all__ = ["GUESSES", "WRONG_TOKEN_DELAY_S", "drain", "release", "resume", "resume_job", "state"]
 
 log = logging.getLogger(__package__)  # the whole dashboard logs under one name
 
@@ -69,7 +71,8 @@ async def _admin_request(request: web.Request) -> str:
         if not isinstance(body, dict):
             raise HttpError(400, "bad_request", "the body must be a JSON object")
     name = request.match_info["name"]
-    log.warning("dashboard: admin %s on group %r from %s", request.path.rsplit("/", 1)[-1], name, request.remote)
+    what = "job" if request.path.startswith(f"{API}/jobs/") else "group"
+    log.warning("dashboard: admin %s on %s %r from %s", request.path.rsplit("/", 1)[-1], what, name, request.remote)
     return name
 
 
@@ -85,7 +88,12 @@ async def drain(request: web.Request) -> web.Response:
 
 async def resume(request: web.Request) -> web.Response:
     name = await _admin_request(request)
-    return json_response(request.app[SOURCE].drain(name, False))
+    return json_response(request.app[SOURCE].resume(name))
+
+
+async def resume_job(request: web.Request) -> web.Response:
+    name = await _admin_request(request)
+    return json_response(request.app[SOURCE].resume_job(name))
 
 
 async def state(request: web.Request) -> web.Response:

@@ -32,6 +32,7 @@ _ERROR_STATUS: tuple[tuple[type[errors.TimeslicedError], int], ...] = (
     (errors.UnknownJob, 404),
     (errors.NotHolder, 409),
     (errors.GroupDraining, 409),
+    (errors.JobFaulted, 409),  # a job that cannot be resumed (its state is lost, or it exited)
     (errors.BadRequest, 400),
     (errors.PermissionDenied, 403),
     (errors.LimitExceeded, 503),
@@ -94,6 +95,7 @@ def make_app(
             web.post(f"{API}/groups/{{name}}/release", admin.release),
             web.post(f"{API}/groups/{{name}}/drain", admin.drain),
             web.post(f"{API}/groups/{{name}}/resume", admin.resume),
+            web.post(f"{API}/jobs/{{name}}/resume", admin.resume_job),
         ]
     )
     return app

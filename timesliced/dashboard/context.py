@@ -50,6 +50,20 @@ class DashboardSource(Protocol):
     def drain(self, group: str, on: bool) -> dict[str, Any]:
         """Stop (``on``) or resume granting the group. Raises ``UnknownGroup``."""
 
+    def resume(self, group: str) -> dict[str, Any]:
+        """Grant the group again (undo a drain) and clear the faults of its jobs whose cause is gone.
+
+        The answer is ``drain``'s plus ``resumed`` (jobs) and ``still_faulted`` (job -> why not).
+        Raises ``UnknownGroup``.
+        """
+
+    def resume_job(self, job: str) -> dict[str, Any]:
+        """Clear the job's fault once its cause is gone: it may be granted again.
+
+        Raises ``UnknownJob``, ``BadRequest`` (it is not faulted) or ``JobFaulted`` (its state is lost
+        or it exited: it cannot be resumed).
+        """
+
     def ready(self) -> bool:
         """Serving and able to grant."""
 

@@ -53,17 +53,21 @@ class Asset:
 
 
 def _resource_dir(package: str, folder: str, marker: str) -> Traversable:
-    """The installed package ``package``, or in a source checkout the repository's ``folder``."""
+    """In a source checkout the repository's ``folder``, else the installed package ``package``.
+
+    The checkout comes first: the templates and the script must be those of the code that runs,
+    and an editable install elsewhere (another checkout's) would map ``package`` to its own folder.
+    """
+    checkout = Path(__file__).resolve().parents[2] / folder  # this file is timesliced/dashboard/resources.py
+    if checkout.joinpath(marker).is_file():
+        return checkout
     try:
         installed = resources.files(package)
         if installed.joinpath(marker).is_file():
             return installed
     except ModuleNotFoundError:
         pass
-    checkout = Path(__file__).resolve().parents[2] / folder  # this file is timesliced/dashboard/resources.py
-    if checkout.joinpath(marker).is_file():
-        return checkout
-    raise RuntimeError(f"the dashboard's files are missing: neither {package} nor {checkout} has {marker}")
+    raise RuntimeError(f"the dashboard's files are missing: neither {checkout} nor {package} has {marker}")
 
 
 def load_templates() -> jinja2.Environment:

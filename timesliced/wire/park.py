@@ -14,6 +14,10 @@ from .messages import arg_int, arg_str, arg_str_list
 
 METHODS = ("sim", "cuda-checkpoint", "offload", "vllm", "sglang")
 ENGINES = ("vllm", "sglang")
+# The methods that stop a job's GPU work before they park it (cuda-checkpoint locks the process, the
+# simulated GPU guards its pages), so a holder that did not yield may be preempted. Offload and the
+# engines would unmap memory under running kernels: their jobs join no group that preempts.
+FREEZING = ("sim", "cuda-checkpoint")
 
 # What opting in to weights that a park discards means, for every message that asks for it.
 RELOAD_PROMISE = (

@@ -56,6 +56,7 @@ class Group(TypedDict):
     switching_to: str | None
     draining: bool
     frozen: str | None  # why the group grants nothing now (a node it spans is out of reach)
+    waiting_for: str | None  # what the head of the queue waits for (memory, a rival, host memory being freed)
     deferred: int  # times the head of the queue had to wait for memory or for a rival
     grants: int
     switches: int
@@ -81,6 +82,8 @@ class JobPlace(TypedDict):
 class JobFigures(JobPlace, total=False):
     """A job with the scheduler's figures (the leader has them; a follower shows its jobs without)."""
 
+    parked_bytes: int  # host memory its parked state takes now (0 while resident), on every node
+    park_refused: str | None  # why its last park failed with its state intact, while it is not tried again
     slices: int
     restores: int
     snapshots: int
@@ -97,12 +100,33 @@ class Job(JobFigures):
     measured: dict[str, int]  # GPU -> bytes its last move measured
 
 
+class HostPool(TypedDict):
+    budget: int  # what parked state may take in the pool (a cgroup, the simulated GPU's tmpfs)
+    parked: int  # what it takes now
+
+
+class HostBudget(TypedDict):
+    """One node's host memory for parked state, as the scheduler accounts it (``core/host.py``)."""
+
+    slot: int
+    budget: int  # what all parked state on the node may take: parked now + room at the last reading, <= limit
+    limit: int | None  # --host-memory-limit
+    room: int  # what the host could still take at the last reading (its margin taken off)
+    parked: int  # what parked state takes now
+    reserved: int  # what the parks under way are expected to take
+    freeing: int  # what the restores and reclaims under way give back
+    read_s_ago: float
+    pools: dict[str, HostPool]
+    source: dict[str, str]  # "host" or a pool -> the figures behind its room
+
+
 class SchedulerPicture(TypedDict):
     """What the scheduler shows (``Scheduler.describe``)."""
 
     devices: list[Device]
     groups: list[Group]
     jobs: list[JobFigures]
+    host: list[HostBudget]
 
 
 class LocalPicture(TypedDict):
@@ -118,6 +142,7 @@ class Picture(TypedDict):
     devices: list[Device]
     groups: list[Group]
     jobs: list[Job]
+    host: list[HostBudget]  # the scheduler's accounts of every node (a follower shows none)
 
 
 # --- the cluster ----------------------------------------------------------------------------
@@ -262,6 +287,36 @@ class Parking(TypedDict):
     checkpoint: CheckpointProbe | None  # the cuda-checkpoint method's findings, where it is available
 
 
+class Cgroup(TypedDict):
+    path: str  # the cgroup's path in its hierarchy
+    version: int  # 1 or 2
+    limit: int | None  # the tightest memory limit of it and its ancestors (None: none)
+    used: int  # what it uses now, less what the kernel can reclaim without swapping (inactive file pages)
+    room: int | None  # limit - used - margin (None: no limit)
+
+
+class Tmpfs(TypedDict):
+    path: str
+    size: int
+    free: int
+
+
+class HostReading(TypedDict):
+    """What this node's daemon last read of its host for parked state (``daemon/host_memory.py``)."""
+
+    available: int | None  # MemAvailable of /proc/meminfo
+    total: int | None  # MemTotal
+    margin: int  # kept free of parked state
+    limit: int | None  # --host-memory-limit
+    room: int  # what more parked state may take on the host now
+    cgroup: Cgroup | None  # the daemon's own
+    tmpfs: Tmpfs | None  # where the simulated GPU parks its jobs
+    jobs: dict[str, list[str]]  # job -> the pools its parked state counts against
+    pools: dict[str, int]  # pool -> the room left in it
+    age_s: float | None  # since the reading (None: never read)
+    error: str | None  # why a figure could not be read
+
+
 class Counters(TypedDict):
     accepted: int
     refused: int
@@ -287,6 +342,7 @@ class Status(Picture):
     cluster: Cluster
     telemetry: Telemetry
     moves: Moves
+    host_memory: HostReading
 
 
 # --- checking a document ----------------------------------------------------------------------
