@@ -208,12 +208,6 @@ class BackendTimeout(BackendError):
     code = "backend_timeout"
 
 
-class InsufficientMemory(BackendError):
-    """A restore was refused because the GPU does not have the free memory the job needs."""
-
-    code = "insufficient_memory"
-
-
 class StateIntact:
     """A marker for a failed move that left the job's state intact where it was.
 
@@ -236,6 +230,12 @@ class RestoreRefused(BackendError, StateIntact):
     """A backend did not restore the job, and its parked state is intact (in host memory)."""
 
     code = "restore_refused"
+
+
+class InsufficientMemory(BackendError, StateIntact):
+    """A restore was refused, before it touched anything, because a GPU lacks the free memory the job needs."""
+
+    code = "insufficient_memory"
 
 
 class InsufficientHostMemory(TimeslicedError, StateIntact):

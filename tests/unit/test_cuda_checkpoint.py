@@ -159,7 +159,7 @@ def test_lock_timeout_leaves_the_job_running(make_node: Callable[..., Node], tim
     n.fake.add_process(2, {0: GiB}, parent=1)
     work = n.fake.busy(2)  # pid 2 is inside a kernel that outlasts the lock timeout
     try:
-        with pytest.raises(errors.BackendTimeout) as info:
+        with pytest.raises(errors.ParkRefused) as info:  # rolled back: the job is whole (state intact)
             n.run(n.backend.snapshot(job(1)))
     finally:
         work.set()
@@ -168,6 +168,7 @@ def test_lock_timeout_leaves_the_job_running(make_node: Callable[..., Node], tim
     assert timeout_result.name in err.message
     assert "rolled back, the job is running" in err.message
     assert err.details["pid"] == 2 and err.details["result"] == timeout_result.name
+    assert err.details["cause"] == "backend_timeout" and errors.state_intact(err)
     assert n.states(1, 2) == [RUNNING, RUNNING]
     assert [c.pid for c in n.fake.ops("unlock")] == [1]
     assert n.fake.ops("checkpoint") == []
@@ -181,7 +182,7 @@ def test_checkpoint_failure_rolls_every_process_back(node: Node) -> None:
     with pytest.raises(errors.BackendError) as info:
         node.run(node.backend.snapshot(job(100)))
     err = info.value
-    assert type(err) is errors.BackendError
+    assert type(err) is errors.ParkRefused and err.details["cause"] == "backend_error"  # every process runs again
     assert "cuCheckpointProcessCheckpoint(pid 101) failed: CUDA_ERROR_NOT_SUPPORTED" in err.message
     assert (err.details["pid"], err.details["call"], err.details["result"]) == (
         101,

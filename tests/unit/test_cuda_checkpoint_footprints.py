@@ -308,7 +308,7 @@ def test_a_job_on_a_gpu_restores_cannot_reach_is_refused_before_anything_moves(
 ) -> None:
     n = make_node(PER_PROCESS, reach={0: "driver"})  # GPU 1: not seen by the daemon's driver, no persistence
     trainer(n)
-    with pytest.raises(errors.BackendUnavailable, match=r"GPU\(s\) \[1\].*CUDA_VISIBLE_DEVICES.*nvidia-smi -pm 1"):
+    with pytest.raises(errors.ParkRefused, match=r"GPU\(s\) \[1\].*CUDA_VISIBLE_DEVICES.*nvidia-smi -pm 1"):
         n.run(n.backend.snapshot(job(100)))
     assert n.moved() == set() and n.backend.parked("a") is None
 
@@ -334,7 +334,7 @@ def test_a_parked_job_is_not_restored_onto_a_gpu_restores_cannot_reach(make_node
     blind = make_node(PER_PROCESS, memory=n.memory, fake=n.fake, reach={0: "driver"})
     blind.backend.adopt("c", narrowed.backend.parked("c") or {})
     restores = len(n.fake.ops("restore"))
-    with pytest.raises(errors.BackendUnavailable, match=r"cannot be restored"):
+    with pytest.raises(errors.RestoreRefused, match=r"cannot be restored"):
         blind.run(blind.backend.restore(job(100, name="c")))
     assert n.states(100, 101) == [CHECKPOINTED] * 2 and len(n.fake.ops("restore")) == restores
 

@@ -125,6 +125,10 @@ JOB_WIDE = 0  # the record's key for bytes measured for the job as a whole (no p
 # Variables that narrow which GPUs the daemon's own cuInit brings up.
 NARROWING_ENV = ("CUDA_VISIBLE_DEVICES",)
 
+# A move whose every process was rolled back to where it began left the job whole: the error says so
+# (``errors.StateIntact``), and the scheduler keeps the job usable instead of faulting it.
+_INTACT: dict[str, type[errors.BackendError]] = {"running": errors.ParkRefused, "parked": errors.RestoreRefused}
+
 # How rollback drives a process from the state the driver reports; a state not
 # listed (failed, or mid custom-storage copy) cannot be driven and is reported.
 _TO_RUNNING: dict[str, tuple[str, ...]] = {"running": (), "locked": ("unlock",), "checkpointed": ("restore", "unlock")}
@@ -601,11 +605,13 @@ class CudaCheckpointBackend:
     async def snapshot(self, job: JobTarget) -> MoveResult:
         """Lock, then checkpoint, every process of ``job`` that has CUDA state.
 
-        Raises :class:`~timesliced.errors.BackendTimeout` when a lock timed
-        out, :class:`~timesliced.errors.BackendError` for any other failed
-        call or measurement (after rolling the job back to running) or when the
-        job is already parked or busy, :class:`~timesliced.errors.BackendUnavailable`
-        (nothing touched) when the job is on a GPU restores cannot reach.
+        Raises :class:`~timesliced.errors.ParkRefused` (the job runs on, whole) when a
+        lock timed out, a call or a measurement failed and every process was rolled back
+        to running (``details["cause"]`` names the first failure, ``backend_timeout`` for
+        a lock), or when the job is on a GPU restores cannot reach (nothing touched);
+        the first failure's own class when rolling back failed too (the job's state is
+        unknown); :class:`~timesliced.errors.BackendError` when the job is already parked
+        or busy.
         """
         started = time.perf_counter()
         with self._operation(job.name):
@@ -630,12 +636,13 @@ class CudaCheckpointBackend:
     async def restore(self, job: JobTarget) -> MoveResult:
         """Restore, then unlock, every parked process of ``job`` that is still alive.
 
-        Raises :class:`~timesliced.errors.InsufficientMemory` (nothing touched)
-        when a GPU lacks the free memory the job needs plus the margin;
-        :class:`~timesliced.errors.BackendUnavailable` (nothing touched) when the
-        job is on a GPU restores cannot reach; :class:`~timesliced.errors.BackendError`
-        for a failed call (after checkpointing again what it can, so the job stays
-        parked) or when nothing is parked for the job.
+        Raises :class:`~timesliced.errors.InsufficientMemory` (nothing touched, the job
+        stays parked and whole) when a GPU lacks the free memory the job needs plus the
+        margin; :class:`~timesliced.errors.RestoreRefused` when the job is on a GPU
+        restores cannot reach (nothing touched) or a call failed and every process was
+        checkpointed again; the first failure's own class when that failed too (the
+        state is unknown); :class:`~timesliced.errors.BackendError` when nothing is
+        parked for the job.
         """
         started = time.perf_counter()
         with self._operation(job.name):
@@ -919,18 +926,22 @@ class CudaCheckpointBackend:
         details = dict(first.details)
         details.update(
             job=job.name,
+            cause=first.code,
             failures=[_describe(o) for o in failures],
             rollback_failures=[_describe(o) for o in stuck],
         )
+        if not stuck and goal in _INTACT:  # every process is back where the move began: the job is whole
+            return _INTACT[goal](message, **details)
         return type(first)(message, **details)
 
     def _check_reach(self, job: JobTarget, gpus: Iterable[int], what: str) -> None:
-        """Refuse, before anything moves, a job on a GPU that restores cannot reach."""
+        """Refuse, before anything moves, a job on a GPU that restores cannot reach (the job stays whole)."""
         if self._reach is None:
             return
         blind = sorted({gpu for gpu in gpus if gpu not in self._reach})
         if blind:
-            raise errors.BackendUnavailable(
+            refused = errors.ParkRefused if what == "parked" else errors.RestoreRefused
+            raise refused(
                 f"job {job.name!r} cannot be {what} by cuda-checkpoint: the daemon's CUDA driver does not see GPU(s) "
                 f"{blind} and they are not in persistence mode, so a restore onto them would fail. Restart the daemon "
                 "with every GPU visible (no CUDA_VISIBLE_DEVICES), or enable persistence mode (sudo nvidia-smi -pm 1)",
