@@ -77,3 +77,13 @@ async def raises(
     with pytest.raises(cls, match=match) as info:
         await aw
     return info.value
+
+
+async def refused(
+    cause: type[errors.TimeslicedError], aw: Awaitable[Any], match: str | None = None
+) -> errors.TimeslicedError:
+    """A move that failed with ``cause`` (the replicas' error) and left every replica where it began."""
+    err = await raises(errors.BackendError, aw, match)
+    assert errors.state_intact(err), f"the move faults the job, it was not refused: {err!r}"
+    assert isinstance(err, errors.ParkRefused | errors.RestoreRefused) and err.details["cause"] == cause.code
+    return err

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from tests.fakes.engines import FakeSglang, FakeVllm
-from tests.helpers.engines import SGLANG_PARK, SGLANG_UNPARK, SLEEP, raises, rig, run, target, until
+from tests.helpers.engines import SGLANG_PARK, SGLANG_UNPARK, SLEEP, raises, refused, rig, run, target, until
 from timesliced import errors
 from timesliced.backends.engines import SglangBackend
 
@@ -63,9 +63,9 @@ def test_vllm_sleep_whose_requests_do_not_finish_in_time_is_undone() -> None:
             await until(lambda: f.held == 1)  # the sleep timed out: the rollback's wake arrives
             f.run_requests(0)  # the sleep happens after all, then the wake queued behind it
             f.release()
-            err = await raises(errors.BackendTimeout, move)
+            err = await refused(errors.BackendTimeout, move)
             assert "did not answer within 0.3 s" in err.message and f"woke {f.url} again" in err.message
-            assert f.paths() == [SLEEP, "/wake_up"] and not f.sleeping and f.aborted == 0
+            assert f.paths() == [SLEEP, "/wake_up", "/is_sleeping"] and not f.sleeping and f.aborted == 0
             assert b.job_state("j") == "unknown"
 
     run(body())
@@ -114,11 +114,11 @@ def test_vllm_sleep_that_did_nothing_fails_and_the_job_stays_resident() -> None:
     async def body() -> None:
         async with rig(FakeVllm) as (b, [f]):
             f.inject(path="/sleep", status=200, body="")  # success, without sleeping
-            err = await raises(errors.EndpointError, b.snapshot(target([f])), "the engine is still awake")
+            err = await refused(errors.EndpointError, b.snapshot(target([f])), "the engine is still awake")
             assert f'GET {f.url}/is_sleeping answered {{"is_sleeping": false}} after POST /sleep' in err.message
             assert f"woke {f.url} again" in err.message
             assert not f.sleeping and b.job_state("j") == "unknown"
-            assert f.paths() == [SLEEP, "/is_sleeping", "/wake_up"]
+            assert f.paths() == [SLEEP, "/is_sleeping", "/wake_up", "/is_sleeping"]
 
     run(body())
 
@@ -127,7 +127,7 @@ def test_vllm_is_sleeping_that_disagrees_after_a_sleep_wakes_the_engine_again() 
     async def body() -> None:
         async with rig(FakeVllm, n=2) as (b, fakes):
             fakes[1].inject(path="/is_sleeping", status=200, body='{"is_sleeping": false}')
-            err = await raises(errors.EndpointError, b.snapshot(target(fakes)), "still awake")
+            err = await refused(errors.EndpointError, b.snapshot(target(fakes)), "still awake")
             assert "1 of 2 vLLM replicas failed" in err.message
             assert f"woke {fakes[0].url}, {fakes[1].url} again" in err.message
             assert not any(f.sleeping for f in fakes)
@@ -141,7 +141,7 @@ def test_vllm_wake_that_did_nothing_fails_and_the_job_stays_parked() -> None:
             job = target([f])
             await b.snapshot(job)
             f.inject(path="/wake_up", status=200, body="")
-            err = await raises(errors.EndpointError, b.restore(job), "the engine is still asleep")
+            err = await refused(errors.EndpointError, b.restore(job), "the engine is still asleep")
             assert f"put {f.url} back to sleep" in err.message
             assert f.sleeping and b.job_state("j") == "parked"
 
@@ -152,7 +152,7 @@ def test_vllm_is_sleeping_that_is_not_an_answer() -> None:
     async def body() -> None:
         async with rig(FakeVllm) as (b, [f]):
             f.inject(path="/is_sleeping", status=200, body="maybe")
-            err = await raises(errors.EndpointError, b.snapshot(target([f])), 'not {"is_sleeping"')
+            err = await refused(errors.EndpointError, b.snapshot(target([f])), 'not {"is_sleeping"')
             assert f"woke {f.url} again" in err.message and not f.sleeping
 
     run(body())
@@ -242,7 +242,7 @@ def test_sglang_settings_that_cannot_be_read(fault: dict[str, Any], match: str) 
     async def body() -> None:
         async with rig(FakeSglang, n=2, backend=SglangBackend) as (b, fakes):
             fakes[1].inject(path="/server_info", **fault)
-            err = await raises(errors.EndpointError, b.snapshot(target(fakes, "sglang")), match)
+            err = await refused(errors.EndpointError, b.snapshot(target(fakes, "sglang")), match)
             assert "nothing was changed" in err.message and err.details["endpoints"] == [fakes[1].url]
             asked = len(fakes[1].paths())  # twice where the connection dropped: aiohttp sends a GET again
             assert [f.paths() for f in fakes] == [["/server_info"], ["/server_info"] * asked]
@@ -259,7 +259,7 @@ def test_sglang_from_before_server_info_is_asked_by_the_older_name() -> None:
             assert f.paths()[:2] == ["/server_info", "/get_server_info"] and f.released()
             f.inject(path="/get_server_info", status=404, body='{"detail": "Not Found"}')
             await b.reclaim(target([f], "sglang"))
-            err = await raises(errors.EndpointError, b.snapshot(target([f], "sglang", name="k")), "HTTP 404")
+            err = await refused(errors.EndpointError, b.snapshot(target([f], "sglang", name="k")), "HTTP 404")
             assert f"GET {f.url}/get_server_info answered HTTP 404" in err.message
             assert "recent enough" in err.message and "nothing was changed" in err.message
 
@@ -294,7 +294,7 @@ def test_sglang_with_requests_in_flight_is_not_released_and_loses_none() -> None
     async def body() -> None:
         async with rig(FakeSglang, backend=SglangBackend) as (b, [f]):
             f.run_requests(3)
-            err = await raises(errors.EndpointError, b.snapshot(target([f], "sglang")), "not idle")
+            err = await refused(errors.EndpointError, b.snapshot(target([f], "sglang")), "not idle")
             assert f"POST {f.url}/flush_cache: the server is not idle" in err.message
             assert "let the job's requests finish" in err.message and f"woke {f.url} again" in err.message
             assert not f.crashed and f.released() == set() and not f.paused
@@ -325,7 +325,7 @@ def test_sglang_refused_pause_changes_nothing() -> None:
     async def body() -> None:
         async with rig(FakeSglang, backend=SglangBackend) as (b, [f]):
             f.inject(path="/pause_generation", status=400, body="no")
-            await raises(errors.EndpointError, b.snapshot(target([f], "sglang")), "HTTP 400")
+            await refused(errors.EndpointError, b.snapshot(target([f], "sglang")), "HTTP 400")
             assert f.paths() == ["/server_info", "/pause_generation"] and not f.paused
 
     run(body())
@@ -337,7 +337,7 @@ def test_sglang_restore_that_fails_to_continue_is_parked_again() -> None:
             job = target([f], "sglang")
             await b.snapshot(job)
             f.inject(path="/continue_generation", status=500, body="boom", apply=True)  # it did continue
-            err = await raises(errors.EndpointError, b.restore(job), "boom")
+            err = await refused(errors.EndpointError, b.restore(job), "boom")
             assert f"put {f.url} back to sleep" in err.message
             assert f.paused and f.released() == {"weights", "kv_cache", "cuda_graph"}
             assert f.paths()[-5:] == [*SGLANG_UNPARK, *SGLANG_PARK]

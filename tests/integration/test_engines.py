@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from tests.fakes.engines import FakeEngine, FakeSglang, FakeVllm, GiB
-from tests.helpers.engines import SGLANG_PARK, SGLANG_UNPARK, SLEEP, raises, rig, run, target, until
+from tests.helpers.engines import SGLANG_PARK, SGLANG_UNPARK, SLEEP, raises, refused, rig, run, target, until
 from timesliced import errors
 from timesliced.backends.base import JobTarget
 from timesliced.backends.engines import SglangBackend, VllmBackend, make_engine_backend
@@ -125,7 +125,7 @@ def test_endpoint_with_a_path_prefix_and_trailing_slash() -> None:
             await b.snapshot(job)
             assert f.sleeping
             prefixed = JobTarget("j", (0,), (), ParkSpec("vllm", (f.url + "/engine0",)))
-            err = await raises(errors.EndpointError, b.restore(prefixed), match="404")
+            err = await refused(errors.EndpointError, b.restore(prefixed), match="404")
             assert "/engine0/wake_up" in err.message
 
     run(body())
@@ -137,7 +137,7 @@ def test_endpoint_with_a_path_prefix_and_trailing_slash() -> None:
 def test_vllm_without_dev_mode_is_a_clear_404() -> None:
     async def body() -> None:
         async with rig(lambda: FakeVllm(dev_mode=False)) as (b, [f]):
-            err = await raises(errors.EndpointError, b.snapshot(target([f])))
+            err = await refused(errors.EndpointError, b.snapshot(target([f])))
             assert f"POST {f.url}/sleep?level=1&mode=wait answered HTTP 404" in err.message
             assert "VLLM_SERVER_DEV_MODE=1" in err.message and "--enable-sleep-mode" in err.message
             assert b.job_state("j") == "unknown"
@@ -148,7 +148,7 @@ def test_vllm_without_dev_mode_is_a_clear_404() -> None:
 def test_vllm_without_sleep_mode_fails_in_the_engine() -> None:
     async def body() -> None:
         async with rig(lambda: FakeVllm(sleep_mode=False)) as (b, [f]):
-            await raises(errors.EndpointError, b.snapshot(target([f])), match="HTTP 500")
+            await refused(errors.EndpointError, b.snapshot(target([f])), match="HTTP 500")
             assert not f.sleeping
 
     run(body())
@@ -176,10 +176,10 @@ def test_timeout_names_the_endpoint_and_the_sleep_is_undone() -> None:
     async def body() -> None:
         async with rig(FakeVllm, timeout=0.2, rollback_timeout=5) as (b, [f]):
             f.inject(path="/sleep", delay=0.6)
-            err = await raises(errors.BackendTimeout, b.snapshot(target([f])))
+            err = await refused(errors.BackendTimeout, b.snapshot(target([f])))
             assert f"vLLM endpoint {f.url} did not answer within 0.2 s" in err.message
             assert f"woke {f.url} again" in err.message
-            assert f.paths() == [SLEEP, "/wake_up"] and not f.sleeping
+            assert f.paths() == [SLEEP, "/wake_up", "/is_sleeping"] and not f.sleeping
 
     run(body())
 
@@ -190,6 +190,7 @@ def test_unreachable_endpoint() -> None:
         url = f"http://127.0.0.1:{closed_port()}"
         try:
             job = JobTarget("j", (0,), (), ParkSpec("vllm", (url,)))
+            # Neither the sleep nor its undo reached the engine, so nothing confirms where it is.
             err = await raises(errors.EndpointError, b.snapshot(job), match="cannot reach vLLM endpoint")
             assert url in err.message
         finally:
@@ -202,8 +203,9 @@ def test_dropped_connection() -> None:
     async def body() -> None:
         async with rig(FakeVllm) as (b, [f]):
             f.inject(path="/sleep", drop=True)
-            await raises(errors.EndpointError, b.snapshot(target([f])), match="Server disconnected")
-            assert [c.status for c in f.calls] == [None, 200]  # the dropped sleep, then a (harmless) wake
+            await refused(errors.EndpointError, b.snapshot(target([f])), match="Server disconnected")
+            # the dropped sleep, then a (harmless) wake, confirmed
+            assert [c.status for c in f.calls] == [None, 200, 200]
             assert not f.sleeping
             await b.snapshot(target([f]))  # the next call is served again
             assert f.sleeping
@@ -233,11 +235,11 @@ def test_failed_snapshot_wakes_the_replicas_that_slept() -> None:
     async def body() -> None:
         async with rig(FakeVllm, n=3) as (b, fakes):
             fakes[1].inject(status=400, body="no")
-            err = await raises(errors.EndpointError, b.snapshot(target(fakes)))
+            err = await refused(errors.EndpointError, b.snapshot(target(fakes)))
             assert "1 of 3 vLLM replicas failed" in err.message and err.details["endpoints"] == [fakes[1].url]
             assert not any(f.sleeping for f in fakes)
             # The refusing replica did not sleep, so it is not woken; the others are.
-            slept_and_woke = [SLEEP, "/is_sleeping", "/wake_up"]
+            slept_and_woke = [SLEEP, "/is_sleeping", "/wake_up", "/is_sleeping"]
             assert [f.paths() for f in fakes] == [slept_and_woke, [SLEEP], slept_and_woke]
             assert b.job_state("j") == "unknown"
 
@@ -250,7 +252,7 @@ def test_failed_restore_puts_the_woken_replicas_back_to_sleep() -> None:
             job = target(fakes, level=2, reloads_weights=True)
             await b.snapshot(job)
             fakes[1].inject(path="/wake_up", status=500, body="CUDA out of memory")
-            err = await raises(errors.EndpointError, b.restore(job), match="CUDA out of memory")
+            err = await refused(errors.EndpointError, b.restore(job), match="CUDA out of memory")
             assert f"put {fakes[0].url}, {fakes[1].url} back to sleep" in err.message
             assert all(f.sleeping and f.level == 2 for f in fakes)
             assert b.job_state("j") == "parked"
@@ -281,7 +283,7 @@ def test_sglang_failed_restore_releases_the_resumed_replicas_again() -> None:
             job = target(fakes, "sglang", tags=("weights",))
             await b.snapshot(job)
             fakes[0].inject(path="/resume_memory_occupation", status=400, body='{"error": {"message": "busy"}}')
-            await raises(errors.EndpointError, b.restore(job), match="busy")
+            await refused(errors.EndpointError, b.restore(job), match="busy")
             assert all(f.released() == {"weights"} and f.paused for f in fakes)
             # Put back to sleep as it was parked: paused, checked idle, released.
             assert fakes[1].paths() == ["/server_info", *SGLANG_PARK, *SGLANG_UNPARK, *SGLANG_PARK]
@@ -310,7 +312,7 @@ def test_all_replicas_timing_out_is_a_timeout() -> None:
         async with rig(FakeVllm, n=2, timeout=0.2) as (b, fakes):
             for f in fakes:
                 f.inject(path="/sleep", delay=0.5)
-            err = await raises(errors.BackendTimeout, b.snapshot(target(fakes)))
+            err = await refused(errors.BackendTimeout, b.snapshot(target(fakes)))
             assert "2 of 2 vLLM replicas failed" in err.message
             assert not any(f.sleeping for f in fakes)
 
@@ -331,7 +333,7 @@ def test_cancelled_snapshot_is_rolled_back() -> None:
             with pytest.raises(asyncio.CancelledError):
                 await move
             assert not f.sleeping and not g.sleeping
-            assert g.paths() == [SLEEP, "/wake_up"]
+            assert g.paths() == [SLEEP, "/wake_up", "/is_sleeping"]
             assert b.job_state("j") == "unknown"
 
     run(body())
@@ -583,7 +585,7 @@ def test_fake_as_a_process() -> None:
             async with aiohttp.ClientSession() as http:
                 async with http.post(url + "/_fake/inject", json={"path": "/sleep", "status": 503}) as r:
                     assert r.status == 200
-                await raises(errors.EndpointError, b.snapshot(JobTarget("j", (0,), (), ParkSpec("vllm", (url,)))))
+                await refused(errors.EndpointError, b.snapshot(JobTarget("j", (0,), (), ParkSpec("vllm", (url,)))))
                 await b.snapshot(JobTarget("j", (0,), (), ParkSpec("vllm", (url,))))
                 async with http.get(url + "/_fake/state") as r:
                     state = await r.json()
@@ -591,6 +593,7 @@ def test_fake_as_a_process() -> None:
             assert [(c["path"], c["status"]) for c in state["calls"]] == [
                 ("/sleep", 503),
                 ("/wake_up", 200),
+                ("/is_sleeping", 200),
                 ("/sleep", 200),
                 ("/is_sleeping", 200),
             ]

@@ -92,16 +92,38 @@ def test_jobs_take_turns_and_each_parks_its_own_regions(daemon: EmbeddedDaemon) 
         b.release()
 
 
-def test_a_failed_park_faults_that_job_and_the_group_serves_the_other(daemon: EmbeddedDaemon) -> None:
+def test_a_failed_park_that_every_process_undid_leaves_the_job_usable_and_tells_the_waiter(
+    daemon: EmbeddedDaemon,
+) -> None:
     ra, rb = Recorder(), Recorder(fail="park")
     with offload_client(daemon, "a", ra) as a, offload_client(daemon, "b", rb) as b:
-        grant = a.acquire()  # parking b fails: b is faulted where it is, a still gets its turn
-        assert grant.job == "a"
+        with pytest.raises(errors.SwitchFailed, match="copy engine fell over"):
+            a.acquire(timeout=10)  # b could not be parked: a is told why at once
         st = job_status(a, "b")
-        assert st["location"] == "resident" and "copy engine fell over" in st["faulted"]
-        wait_for(lambda: b.faulted is not None)
-        with pytest.raises(errors.JobFaulted, match="copy engine fell over"):
-            b.acquire(timeout=5)
+        assert st["location"] == "resident" and st["faulted"] is None
+        assert "copy engine fell over" in st["park_refused"]
+        assert [c[0] for c in rb.calls] == ["park", "unpark"] and rb.resident
+        grant = b.acquire(timeout=5)  # b's bytes never left: its next slice just works
+        assert not grant.restored and bytes(rb.device or b"")[:256] == bytes(range(256))
+        b.release()
+
+
+def test_a_failed_restore_that_every_process_undid_keeps_the_job_parked_and_retryable(
+    daemon: EmbeddedDaemon,
+) -> None:
+    ra, rb = Recorder(), Recorder()
+    with offload_client(daemon, "a", ra) as a, offload_client(daemon, "b", rb) as b:
+        a.acquire()  # b is parked
+        a.release()
+        rb.fail = "unpark"
+        with pytest.raises(errors.SwitchFailed, match=r"no memory to map.*intact in host memory"):
+            b.acquire(timeout=10)
+        st = job_status(a, "b")
+        assert st["location"] == "parked" and st["faulted"] is None and rb.host is not None
+        rb.fail = ""
+        grant = b.acquire(timeout=10)
+        assert grant.restored and bytes(rb.device or b"")[:256] == bytes(range(256))
+        b.release()
 
 
 def test_a_job_with_two_processes_parks_in_both_and_undoes_a_partial_park(daemon: EmbeddedDaemon) -> None:
@@ -111,11 +133,28 @@ def test_a_job_with_two_processes_parks_in_both_and_undoes_a_partial_park(daemon
         offload_client(daemon, "a", r2),
         offload_client(daemon, "b", rb) as b,
     ):
-        b.acquire()  # a must leave: rank 1 parks, rank 2 fails, so both are told to unpark again
+        # a must leave: rank 1 parks, rank 2 fails, so both are told to unpark again
+        with pytest.raises(errors.SwitchFailed, match="copy engine fell over"):
+            b.acquire(timeout=10)
         assert [c[0] for c in r1.calls] == ["park", "unpark"] and r1.resident
         assert [c[0] for c in r2.calls] == ["park", "unpark"] and r2.resident  # unparks whatever it had parked
         st = job_status(a1, "a")
-        assert st["location"] == "resident" and "copy engine fell over" in st["faulted"]
+        assert st["location"] == "resident" and st["faulted"] is None and st["park_refused"]
+
+
+def test_a_park_whose_undo_fails_faults_the_job(daemon: EmbeddedDaemon) -> None:
+    r1, r2, rb = Recorder(), Recorder(fail="park"), Recorder()
+    r1.unpark = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
+    with (
+        offload_client(daemon, "a", r1) as a1,
+        offload_client(daemon, "a", r2),
+        offload_client(daemon, "b", rb) as b,
+    ):
+        grant = b.acquire(timeout=10)  # a's state is unknown: it is faulted, and b gets the GPUs
+        assert grant.job == "b"
+        faulted = job_status(a1, "a")["faulted"]
+        assert "copy engine fell over" in faulted and "device lost" in faulted and "resume" in faulted
+        b.release()
 
 
 @pytest.mark.slow

@@ -132,7 +132,7 @@ def test_an_operator_resumes_a_faulted_job_once_its_state_is_whole(tmp_path: Any
             b.acquire()
             with pytest.raises(errors.OutOfMemory):
                 b.sim_alloc(60 << 20)  # parking a for it times out: a is faulted, the allocation refused
-            wait_for(lambda: call(d, "/api/v1/jobs/a")[1]["faulted"] is not None)
+            wait_for(lambda: call(d, "/api/v1/jobs/a")[1]["faulted"] is not None and a.faulted is not None)
             assert "timed out after 0.2 s" in call(d, "/api/v1/jobs/a")[1]["faulted"]
             assert call(d, "/api/v1/jobs/a/resume", method="POST")[0] == 401
             assert call(d, "/api/v1/jobs/b/resume", method="POST", token=TOKEN)[0] == 400  # b is not faulted
@@ -146,6 +146,7 @@ def test_an_operator_resumes_a_faulted_job_once_its_state_is_whole(tmp_path: Any
             status, answer = call(d, "/api/v1/jobs/a/resume", method="POST", token=TOKEN)
             assert status == 200 and answer["job"] == "a" and answer["location"] == "resident"
             assert call(d, "/api/v1/jobs/a")[1]["faulted"] is None
+            wait_for(lambda: a.faulted is None)  # the client heard it too
             kinds = [e["kind"] for e in call(d, "/api/v1/events?after=0&limit=100")[1]]
             assert "admin" in kinds
             b.release()

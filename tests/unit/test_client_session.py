@@ -460,10 +460,12 @@ def test_pushes_move_the_lock_state_and_reach_the_shell(h: Harness) -> None:
     assert h.core.lock.preempted is None
     h.push("faulted", reason="restore failed")
     assert h.core.lock.faulted == "restore failed"
+    h.push("resumed", was="restore failed")
+    assert h.core.lock.faulted is None
     h.push("lock_lost", reason="force-released")
     assert not h.core.lock.holding
     pushed = [o.event for o in h.take(Pushed)]
-    assert pushed == ["slice_overdue", "preempted", "granted", "faulted", "lock_lost"]
+    assert pushed == ["slice_overdue", "preempted", "granted", "faulted", "resumed", "lock_lost"]
     assert [o.level for o in h.take(Logged)] == [WARNING, WARNING]
 
 

@@ -63,9 +63,13 @@ A job may run several replicas; each move calls all of them at once. The
 move is all or nothing as far as the engines let it be: when some replica
 fails, what was done on each replica is undone, latest first (best effort,
 bounded), so a failed snapshot leaves the job resident and a failed restore
-leaves it parked. A replica whose answer was lost in a call whose undo is not
-harmless (SGLang's release and resume: repeating either breaks the
-scheduler) is left alone and reported.
+leaves it parked. vLLM's undos are confirmed with ``/is_sleeping`` like its
+moves. When every replica is known to be back where the move began (nothing
+was changed, or every undo succeeded), the failure is a ``ParkRefused`` /
+``RestoreRefused``: the job stays usable and the scheduler tries again later.
+A replica whose answer was lost in a call whose undo is not harmless
+(SGLang's release and resume: repeating either breaks the scheduler), or
+whose undo failed, is left alone and reported, and the failure faults the job.
 """
 
 from __future__ import annotations
@@ -264,15 +268,15 @@ class EngineBackend:
                 await self._fan_out(self._steps(kind, job.park), replicas, job.park, self.timeout)
             except asyncio.CancelledError:
                 # The caller gave up (its own timeout): undo what may have happened, then go.
-                note = await self._roll_back(kind, replicas, job.park)
+                note, _ = await self._roll_back(kind, replicas, job.park)
                 log.warning("%s of job %r was cancelled%s", kind, job.name, f"; {note}" if note else "")
                 self._checked.pop(job.name, None)
                 raise
             failures = {e: r.failure for e, r in replicas.items() if r.failure is not None}
             if failures:
-                note = await self._roll_back(kind, replicas, job.park)
+                note, whole = await self._roll_back(kind, replicas, job.park)
                 self._checked.pop(job.name, None)  # a server that failed may have been restarted otherwise
-                raise self._failure(job, kind, len(endpoints), failures, note)
+                raise self._failure(job, kind, len(endpoints), failures, note, whole=whole)
             after = self._measure(job)
             seconds = time.perf_counter() - start
         finally:
@@ -312,12 +316,12 @@ class EngineBackend:
             else:
                 checked.add(endpoint)
         if refusals:
-            raise errors.BackendError(
+            raise errors.ParkRefused(
                 f"snapshot of job {job.name!r} refused, nothing was changed: " + "; ".join(refusals),
                 job=job.name,
             )
         if failures:
-            raise self._failure(job, "snapshot", len(endpoints), failures, "nothing was changed")
+            raise self._failure(job, "snapshot", len(endpoints), failures, "nothing was changed", whole=True)
 
     async def _settings(self, endpoint: URL) -> tuple[str, str]:
         """Where the server's settings came from, and the answer's body."""
@@ -377,14 +381,18 @@ class EngineBackend:
         if call.check is not None:
             call.check(request, body)
 
-    async def _roll_back(self, kind: str, replicas: dict[URL, _Replica], park: ParkSpec) -> str:
-        """Undo what happened on each replica (or may have, if undoing is harmless); say what came of it."""
+    async def _roll_back(self, kind: str, replicas: dict[URL, _Replica], park: ParkSpec) -> tuple[str, bool]:
+        """Undo what happened on each replica (or may have, if undoing is harmless).
+
+        Returns what came of it, and whether every replica is known to be back where the move began.
+        """
         plans = {e: r.undo_plan() for e, r in replicas.items()}
         unsure = [str(e) for e, plan in plans.items() if plan is None]
         targets = {e: plan for e, plan in plans.items() if plan}
         done, to_do = ("woke", "wake") if kind == "snapshot" else ("put", "put")
         again = "again" if kind == "snapshot" else "back to sleep"
         notes = []
+        whole = not unsure
         if targets:
             failed: dict[URL, errors.TimeslicedError] = {}
 
@@ -404,6 +412,7 @@ class EngineBackend:
             if ok:
                 notes.append(f"{done} {', '.join(ok)} {again}")
             if failed:
+                whole = False
                 notes.append(
                     f"could not {to_do} "
                     + "; ".join(f"{e} ({exc.message})" for e, exc in failed.items())
@@ -411,7 +420,7 @@ class EngineBackend:
                 )
         if unsure:
             notes.append(f"the state of {', '.join(unsure)} is unknown")
-        return "; ".join(notes)
+        return "; ".join(notes), whole
 
     def _failure(
         self,
@@ -420,7 +429,12 @@ class EngineBackend:
         total: int,
         failures: dict[URL, errors.TimeslicedError],
         note: str,
+        *,
+        whole: bool,
     ) -> errors.BackendError:
+        """The error of a failed move: ``ParkRefused`` / ``RestoreRefused`` when every replica is ``whole``
+        (back where the move began; ``details["cause"]`` keeps the replicas' error code), else the
+        replicas' own error (``BackendTimeout`` or ``EndpointError``), which faults the job."""
         first = next(iter(failures.values()))
         if len(failures) == 1 and total == 1:
             what = first.message
@@ -430,7 +444,11 @@ class EngineBackend:
         message = f"{kind} of job {job.name!r} failed: {what}" + (f" ({note})" if note else "")
         timeouts = all(isinstance(exc, errors.BackendTimeout) for exc in failures.values())
         cls: type[errors.BackendError] = errors.BackendTimeout if timeouts else errors.EndpointError
-        exc = cls(message, job=job.name, endpoints=[str(e) for e in failures])
+        details: dict[str, Any] = {"job": job.name, "endpoints": [str(e) for e in failures]}
+        if whole:
+            details["cause"] = cls.code
+            cls = errors.ParkRefused if kind == "snapshot" else errors.RestoreRefused
+        exc = cls(message, **details)
         exc.__cause__ = first
         return exc
 
@@ -617,13 +635,15 @@ class VllmBackend(EngineBackend):
 
     def _steps(self, kind: str, park: ParkSpec) -> tuple[_Step, ...]:
         sleep, wake_all = _Call(self._sleep), _Call(self._wake_all)
+        # Each undo is confirmed too, so a rolled-back move is known to have left the replica whole.
+        awake = _Call(self._is_sleeping, _expect_sleeping(False, "POST /wake_up"))
+        asleep = _Call(self._is_sleeping, _expect_sleeping(True, "POST /sleep"))
         if kind == "snapshot":
-            confirm = _Call(self._is_sleeping, _expect_sleeping(True, "POST /sleep"))
-            return (_Step(sleep, (wake_all,), undo_if_unsure=True), _Step(confirm))
+            return (_Step(sleep, (wake_all, awake), undo_if_unsure=True), _Step(asleep))
         # Waking only some parts leaves the engine asleep in part, which is_sleeping reports as asleep.
         partial = bool(park.tags) and not self.known_tags <= set(park.tags)
         confirm = _Call(self._is_sleeping, _expect_sleeping(partial, "POST /wake_up"))
-        return (_Step(_Call(self._wake), (sleep,), undo_if_unsure=True), _Step(confirm))
+        return (_Step(_Call(self._wake), (sleep, asleep), undo_if_unsure=True), _Step(confirm))
 
     def _sleep(self, endpoint: URL, park: ParkSpec) -> _Request:
         query = {"level": str(park.level), "mode": self.sleep_mode}

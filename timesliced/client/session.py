@@ -217,6 +217,8 @@ class LockState:
     def on_push(self, event: str, data: dict[str, Any]) -> None:
         if event == "faulted":
             self.faulted = str(data.get("reason", "faulted"))
+        elif event == "resumed":  # an operator cleared the fault
+            self.faulted = None
         elif event == "preempted":
             self.preempted = str(data.get("reason", "preempted"))
         elif event == "granted":

@@ -115,7 +115,7 @@ class ShellBase:
 
     @property
     def faulted(self) -> str | None:
-        """Why the job is faulted (its state could not be moved), or None."""
+        """Why the job is faulted (its state could not be moved), or None; an operator's resume clears it."""
         return self._core.lock.faulted
 
     @property
