@@ -462,11 +462,14 @@ def test_pushes_move_the_lock_state_and_reach_the_shell(h: Harness) -> None:
     assert h.core.lock.faulted == "restore failed"
     h.push("resumed", was="restore failed")
     assert h.core.lock.faulted is None
+    h.push("move_failed", kind="snapshot", reason="snapshot failed: the tmpfs is full", intact=True)
+    assert h.core.lock.faulted is None  # its state is whole: nothing to resume
     h.push("lock_lost", reason="force-released")
     assert not h.core.lock.holding
     pushed = [o.event for o in h.take(Pushed)]
-    assert pushed == ["slice_overdue", "preempted", "granted", "faulted", "resumed", "lock_lost"]
-    assert [o.level for o in h.take(Logged)] == [WARNING, WARNING]
+    assert pushed == ["slice_overdue", "preempted", "granted", "faulted", "resumed", "move_failed", "lock_lost"]
+    logged = h.take(Logged)
+    assert [o.level for o in logged] == [WARNING, WARNING, WARNING] and "tmpfs is full" in logged[-1].message
 
 
 def test_untracked_requests_go_out_only_on_a_registered_connection(h: Harness) -> None:

@@ -803,7 +803,7 @@ class ClientSession:
 
     def _on_push(self, push: Push) -> None:
         self.lock.on_push(push.event, push.data)
-        if push.event in ("preempted", "slice_overdue"):
+        if push.event in ("preempted", "slice_overdue", "move_failed"):
             self._log(WARNING, f"job {self.job!r}: {push.data.get('reason', push.event.replace('_', ' '))}")
         if push.event == "lock_lost":
             self._fresh_grant = None
