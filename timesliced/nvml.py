@@ -32,7 +32,7 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType, TracebackType
 from typing import Any
@@ -425,19 +425,8 @@ class Nvml:
         callers plan with it: raises ``BackendError`` when the query fails on any GPU,
         ``BackendUnavailable`` when NVML is not open.
         """
-        with self._lock:
-            lib = self._open_lib()
-            out: dict[int, dict[int, int]] = {}
-            for gpu, device in sorted(self._devices.items()):
-                try:
-                    procs = self._processes(lib, device.handle)
-                except lib.NVMLError as exc:
-                    raise errors.BackendError(
-                        f"NVML could not list the processes on GPU {gpu}: {exc}", gpu=gpu
-                    ) from None
-                for pid, nbytes in procs.items():
-                    out.setdefault(pid, {})[gpu] = nbytes
-            return out
+        table = self._per_pid(self._processes)  # every figure an int: unreported parts count 0
+        return {pid: {gpu: n or 0 for gpu, n in per.items()} for pid, per in table.items()}
 
     def process_memory_reported(self) -> dict[int, dict[int, int | None]]:
         """pid -> {gpu -> bytes or None} for every process with a compute context on a usable GPU.
@@ -447,12 +436,16 @@ class Nvml:
         context on that GPU, its size unknown. PIDs are NVML's (see :func:`pid_view`).
         Raises like :meth:`process_memory`.
         """
+        return self._per_pid(self._reported)
+
+    def _per_pid(self, read: Callable[[ModuleType, Any], Mapping[int, int | None]]) -> dict[int, dict[int, int | None]]:
+        """``read`` (one GPU's pid -> bytes) over every usable GPU, as pid -> {gpu -> bytes}; all or nothing."""
         with self._lock:
             lib = self._open_lib()
             out: dict[int, dict[int, int | None]] = {}
             for gpu, device in sorted(self._devices.items()):
                 try:
-                    procs = self._reported(lib, device.handle)
+                    procs = read(lib, device.handle)
                 except lib.NVMLError as exc:
                     raise errors.BackendError(
                         f"NVML could not list the processes on GPU {gpu}: {exc}", gpu=gpu
