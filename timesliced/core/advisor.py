@@ -101,7 +101,7 @@ class GroupAdvice(TypedDict):
 
 class PlanAdvice(TypedDict):
     groups: list[GroupAdvice]
-    gpus: int
+    gpus: int  # the GPUs it takes (the current groups' distinct GPUs; a suggested group gets GPUs of its own)
     gpu_seconds: float
     makespan_s: float
 
@@ -174,16 +174,19 @@ def advise(status: Mapping[str, Any], options: Options = Options()) -> Advice:
     groups = {g["group"]: g for g in status.get("groups") or []}
     switch_s, source = _switch_cost(groups.values(), options.switch_s)
     loads, missing, unknown = _loads(status, groups, options.min_phases)
+    held = [(name, g) for name, g in groups.items() if any(j.group == name for j in loads)]
     current = _plan(
-        [
-            (name, tuple(j for j in loads if j.group == name), len(g["gpus"]))
-            for name, g in groups.items()
-            if any(j.group == name for j in loads)
-        ],
+        [(name, tuple(j for j in loads if j.group == name), len(g["gpus"])) for name, g in held],
         switch_s,
         capacity,
         options,
     )
+    # Groups may share GPUs: each GPU counts once, for as long as the longest of its groups lasts.
+    spans = {gpu: 0.0 for _, g in held for gpu in g["gpus"]}
+    for (_, g), advice in zip(held, current["groups"], strict=True):
+        for gpu in g["gpus"]:
+            spans[gpu] = max(spans[gpu], advice["predicted_makespan_s"])
+    current["gpus"], current["gpu_seconds"] = len(spans), sum(spans.values())
     exact = True
     blocks: list[tuple[JobLoad, ...]] = []
     counts = sorted({j.gpus for j in loads})
@@ -394,7 +397,7 @@ def _plan(
                 "predicted_makespan_s": options.work_s * p.slowdown,
                 "memory_fits": p.fits,
                 "switch_s": p.switch_s,
-                "reason": _reason(p, capacity, options),
+                "reason": _reason(p, capacity, options, suggested=name is None),
             }
         )
     return {
@@ -421,12 +424,14 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.0f} MiB"
 
 
-def _reason(p: _Prediction, capacity: int | None, options: Options) -> str:
+def _reason(p: _Prediction, capacity: int | None, options: Options, *, suggested: bool) -> str:
     jobs = p.jobs
     if len(jobs) == 1:
         (j,) = jobs
         if capacity is not None and j.memory > capacity:
             return f"{j.name} holds {_mib(j.memory)} on a GPU of {_mib(capacity)}: it does not fit by itself"
+        if not suggested:
+            return f"{j.name} busy {j.duty:.0%} alone on {_gpus(p.gpus)}"
         if j.duty >= 0.9:
             return f"{j.name} busy {j.duty:.0%}: it leaves too little idle time to share; alone on {_gpus(p.gpus)}"
         return (
