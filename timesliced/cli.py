@@ -1,4 +1,4 @@
-"""The ``timesliced`` command: serve, status, demo, bench."""
+"""The ``timesliced`` command: serve, status, advise, demo, bench."""
 
 from __future__ import annotations
 
@@ -54,6 +54,25 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--address", help="daemon socket path or HOST:PORT (default: the local daemon)")
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(run=cmd_status)
+
+    advise = sub.add_parser(
+        "advise", help="suggest which jobs of a running daemon to group so that their busy phases interleave"
+    )
+    advise.add_argument("--address", help="daemon socket path or HOST:PORT (default: the local daemon)")
+    advise.add_argument("--json", action="store_true", help="print one JSON object")
+    advise.add_argument(
+        "--min-phases", type=int, default=5, metavar="N", help="GPU phases and gaps a job needs to be advised on"
+    )
+    advise.add_argument(
+        "--max-slowdown", type=float, default=1.25, metavar="X", help="the most a suggested group may slow a job"
+    )
+    advise.add_argument(
+        "--switch-s", type=float, default=None, metavar="S", help="a switch's cost (default: the measured median)"
+    )
+    advise.add_argument(
+        "--work-s", type=float, default=3600.0, metavar="S", help="each job's run time left, alone (makespan unit)"
+    )
+    advise.set_defaults(run=cmd_advise)
 
     demo = sub.add_parser("demo", help="run a mixed RL/SFT workload on simulated GPUs and print its figures")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
@@ -343,6 +362,53 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(format_status(status))
     return 0
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from .client.sync import daemon_status
+    from .core.advisor import Options, advise
+
+    try:
+        options = Options(args.min_phases, args.max_slowdown, args.switch_s, args.work_s)
+        advice = advise(daemon_status(args.address), options)
+    except ValueError as exc:
+        raise SystemExit(f"timesliced: advise: {exc}") from None
+    if args.json:
+        print(json.dumps(advice, indent=2, sort_keys=True))
+    elif advice["jobs"]:
+        print(format_advice(advice))
+    if advice["message"] is not None:
+        print(f"timesliced: {advice['message']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def format_advice(advice: Any) -> str:
+    """``timesliced advise``'s table: the jobs, the current grouping, the suggested one."""
+    lines = [
+        f"switch cost {advice['switch_s'] * 1000:.0f} ms ({advice['switch_source']}); makespans for "
+        f"{advice['work_s']:g} s of each job's own run time; groups slow a job at most {advice['max_slowdown']:g}x",
+        "",
+        "JOBS",
+    ]
+    for j in advice["jobs"]:
+        lines.append(
+            f"  {j['job']}  group={j['group']}  gpus={j['gpus']}  busy={j['busy_s']:.3f}s  gap={j['gap_s']:.3f}s  "
+            f"duty={_pct(j['duty'])}  memory={_size(j['memory_bytes'])}"
+        )
+    for m in advice["missing"]:
+        lines.append(f"  {m['job']}  not enough history: {m['phases']} phases, {m['gaps']} gaps (run it longer)")
+    for title, plan in (("CURRENT", advice["current"]), ("SUGGESTED", advice["plan"])):
+        lines += ["", f"{title}  {plan['gpus']} GPUs  makespan {plan['makespan_s']:.0f}s"]
+        for g in plan["groups"]:
+            name = f"{g['group']}: " if g["group"] else ""
+            lines.append(
+                f"  {name}{' + '.join(g['jobs'])}  gpus={g['gpus']}  duty={_pct(g['predicted_duty'])}  "
+                f"makespan={g['predicted_makespan_s']:.0f}s ({g['predicted_slowdown']:.2f}x)"
+            )
+            lines.append(f"      {g['reason']}")
+    lines += ["", advice["summary"]]
+    return "\n".join(lines)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -173,6 +173,28 @@ def group(name: str, gpus: list[int], **fields: Any) -> schema.Group:
     return {**base, **fields}  # type: ignore[return-value]
 
 
+def phases(
+    count: int, *, busy_s: float | None = None, gap_s: float | None = None, peak: int = 0, gaps: int | None = None
+) -> schema.JobPhases:
+    """A job's phase statistics, every phase ``busy_s`` long and every gap ``gap_s``."""
+    gap_count = max(count - 1, 0) if gaps is None else gaps
+    gap = gap_s if gap_count else None
+    busy = busy_s if count else None
+    duty = busy / (busy + gap) if busy is not None and gap is not None and busy + gap > 0 else None
+    return {
+        "count": count,
+        "gaps": gap_count,
+        "busy_median_s": busy,
+        "busy_p90_s": busy,
+        "busy_mean_s": busy,
+        "gap_median_s": gap,
+        "gap_p90_s": gap,
+        "gap_mean_s": gap,
+        "own_duty": duty,
+        "memory_peak_bytes": peak,
+    }
+
+
 def host_budget(slot: int = 0, *, budget: int, parked: int, room: int, **fields: Any) -> schema.HostBudget:
     """The scheduler's accounts of one node's host memory for parked state."""
     base: dict[str, Any] = {
@@ -291,6 +313,7 @@ def dashboard_status() -> dict[str, Any]:
                 "gpu_seconds": 33.0,
                 "bytes_moved": 200 * MiB,
                 "median_wait_s": 1.25,
+                "phases": phases(3, busy_s=11.0, gap_s=4.0, peak=40 * MiB),
                 "park": "sim",
                 "measured": {"0": 41 * MiB},
             },
@@ -310,6 +333,7 @@ def dashboard_status() -> dict[str, Any]:
                 "gpu_seconds": 40.0,
                 "bytes_moved": 80 * MiB,
                 "median_wait_s": 0.5,
+                "phases": phases(4, busy_s=10.0, gap_s=9.0, peak=40 * MiB),
                 "park": "cuda-checkpoint",
                 "measured": {},
             },
@@ -329,6 +353,7 @@ def dashboard_status() -> dict[str, Any]:
                 "gpu_seconds": 0.0,
                 "bytes_moved": 0,
                 "median_wait_s": None,
+                "phases": phases(0),
                 "park": "sim",
                 "measured": {},
             },
@@ -441,6 +466,7 @@ def metrics_status() -> dict[str, Any]:
                 "gpu_seconds": 0.25,
                 "bytes_moved": 41943040,
                 "median_wait_s": 0.0,
+                "phases": phases(1, busy_s=0.25, gap_s=None, peak=41943040),
                 "park": "sim",
                 "measured": {},
             },
@@ -460,6 +486,7 @@ def metrics_status() -> dict[str, Any]:
                 "gpu_seconds": 0.75,
                 "bytes_moved": 0,
                 "median_wait_s": 0.0,
+                "phases": phases(1, busy_s=0.75, gap_s=None, peak=41943040),
                 "park": "sim",
                 "measured": {},
             },
@@ -479,6 +506,7 @@ def metrics_status() -> dict[str, Any]:
                 "gpu_seconds": 0.0,
                 "bytes_moved": 0,
                 "median_wait_s": None,
+                "phases": phases(0),
                 "park": "sim",
                 "measured": {},
             },

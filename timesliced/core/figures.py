@@ -25,7 +25,16 @@ GROUP_FIGURES = (
     "switch_times",
     "wait_times",
 )
-JOB_FIGURES = ("slices", "preemptions", "restores", "snapshots", "gpu_seconds", "bytes_moved", "waits")
+JOB_FIGURES = (
+    "slices",
+    "preemptions",
+    "restores",
+    "snapshots",
+    "gpu_seconds",
+    "bytes_moved",
+    "waits",
+    "phases",
+)
 
 
 class Figures:
@@ -35,12 +44,18 @@ class Figures:
         self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
 
     def granted(self, group: Group, job: Job, waited: float, switch_s: float | None) -> None:
-        """A grant after ``waited`` seconds in the queue; ``switch_s``: how long its switch took, if any."""
-        self._later.append((_granted, (group, job, waited, switch_s)))
+        """A grant after ``waited`` seconds in the queue; ``switch_s``: how long its switch took, if any.
+
+        Called as the grant is made, when ``group.held_since`` is the grant's time: the job asked
+        ``waited`` seconds before it (read now, since a later grant in the same step moves it).
+        """
+        requested_at = group.held_since - waited
+        self._later.append((_granted, (group, job, waited, switch_s, requested_at)))
 
     def held(self, group: Group, job: Job, held_s: float, gpus: int) -> None:
-        """A slice of ``held_s`` seconds on ``gpus`` GPUs ended."""
-        self._later.append((_held, (group, job, held_s, gpus)))
+        """A slice of ``held_s`` seconds on ``gpus`` GPUs ended (now: it began at ``group.held_since``)."""
+        ended_at = group.held_since + held_s
+        self._later.append((_held, (group, job, held_s, gpus, ended_at, dict(job.footprint))))
 
     def moved(self, group: Group, job: Job, nbytes: int, done: str | None) -> None:
         """A move of ``nbytes`` ended; ``done``: ``"snapshot"`` or ``"restore"`` if it succeeded."""
@@ -71,7 +86,8 @@ def carry(into: Group | Job, old: Group | Job) -> None:
         setattr(into, name, getattr(old, name))
 
 
-def _granted(group: Group, job: Job, waited: float, switch_s: float | None) -> None:
+def _granted(group: Group, job: Job, waited: float, switch_s: float | None, requested_at: float) -> None:
+    job.phases.began(requested_at)
     group.grants += 1
     group.wait_times.append(waited)
     job.waits.append(waited)
@@ -81,7 +97,8 @@ def _granted(group: Group, job: Job, waited: float, switch_s: float | None) -> N
         group.switch_times.append(switch_s)
 
 
-def _held(group: Group, job: Job, held_s: float, gpus: int) -> None:
+def _held(group: Group, job: Job, held_s: float, gpus: int, ended_at: float, footprint: dict[int, int]) -> None:
+    job.phases.ended(ended_at, held_s, footprint)
     job.gpu_seconds += held_s * gpus
     group.held_total_s += held_s
 

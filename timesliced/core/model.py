@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..errors import TimeslicedError
 from .events import SessionId, Ticket
 from .location import Location
+from .phases import Phases
 
 RECENT = 512  # samples kept per group and per job for medians and percentiles
 MAX_REQUESTS_PER_JOB = 256  # acquires of one job waiting at once (each of its processes may wait)
@@ -79,6 +80,7 @@ class Job:
     gpu_seconds: float = 0.0
     bytes_moved: int = 0
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    phases: Phases = field(default_factory=Phases)  # its GPU phases and gaps, for the placement advisor
 
 
 @dataclass

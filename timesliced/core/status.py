@@ -10,6 +10,7 @@ from .host import HostLedger, refused
 from .ledger import MemoryLedger
 from .location import Location
 from .model import AUTO, Group, GroupState, Job
+from .phases import summary
 from .registry import Registry
 from .slices import SlicePolicies
 
@@ -93,6 +94,7 @@ def _job(registry: Registry, host: HostLedger, j: Job, now: float) -> schema.Job
         "gpu_seconds": j.gpu_seconds + (held * len(group.gpus)),
         "bytes_moved": j.bytes_moved,
         "median_wait_s": median(j.waits),
+        "phases": summary(j.phases),
     }
 
 

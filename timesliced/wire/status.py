@@ -79,6 +79,24 @@ class JobPlace(TypedDict):
     footprint: dict[str, int]  # GPU -> bytes the job holds there when resident
 
 
+class JobPhases(TypedDict):
+    """A job's GPU phases (its slices) and gaps (a release to its next acquire, queueing not counted).
+
+    The statistics are of the last 256 of each (``core/phases.py``); the placement advisor reads them.
+    """
+
+    count: int  # phases ended, ever
+    gaps: int  # gaps measured, ever (a job's first phase has none before it)
+    busy_median_s: float | None
+    busy_p90_s: float | None
+    busy_mean_s: float | None
+    gap_median_s: float | None
+    gap_p90_s: float | None
+    gap_mean_s: float | None
+    own_duty: float | None  # busy / (busy + gap), mean lengths: its share of its GPUs when it runs alone
+    memory_peak_bytes: int  # the most the scheduler accounted it on one GPU at the end of a phase
+
+
 class JobFigures(JobPlace, total=False):
     """A job with the scheduler's figures (the leader has them; a follower shows its jobs without)."""
 
@@ -91,6 +109,7 @@ class JobFigures(JobPlace, total=False):
     gpu_seconds: float
     bytes_moved: int
     median_wait_s: float | None
+    phases: JobPhases
 
 
 class Job(JobFigures):
