@@ -114,11 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU, switches, bytes moved, median switch and wait, data errors and overlaps per mode, and the lower bound "
         "(the busiest GPU's work or the longest job alone). Exits 1 if any mode lost a byte or overlapped two jobs.",
     )
-    workload.add_argument("--scenario", type=Path, default=None, metavar="FILE", help="a TOML scenario (default: the published shape)")
-    workload.add_argument("--modes", default=None, metavar="M,...", help="modes to run, comma-separated (default: all four)")
+    workload.add_argument(
+        "--scenario", type=Path, default=None, metavar="FILE", help="a TOML scenario (default: the published shape)"
+    )
+    workload.add_argument(
+        "--modes", default=None, metavar="M,...", help="modes to run, comma-separated (default: all four)"
+    )
     workload.add_argument("--quick", action="store_true", help="the scenario's [quick] clock and share of iterations")
     workload.add_argument("--json", action="store_true", help="print one JSON object")
-    workload.add_argument("--plot", type=Path, default=None, metavar="FILE", help="write a PNG (needs timesliced[plot])")
+    workload.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE", help="write a PNG (needs timesliced[plot])"
+    )
     workload.set_defaults(run=cmd_bench_workload)
     return parser
 

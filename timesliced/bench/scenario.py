@@ -137,7 +137,7 @@ class Scenario:
 def load(path: str | Path | None = None) -> Scenario:
     """The scenario in ``path`` (the packaged default when None). Raises ``ValueError`` naming the bad key."""
     if path is None:
-        text = resources.files("timesliced.bench").joinpath("scenarios", DEFAULT).read_text()
+        text = resources.files("timesliced.bench").joinpath(f"scenarios/{DEFAULT}").read_text()
         source = f"the default scenario ({DEFAULT})"
     else:
         try:
@@ -190,7 +190,7 @@ def parse(data: dict[str, Any], source: str = "<scenario>") -> Scenario:
 def _job(r: _Reader, d: dict[str, Any], where: str) -> Job:
     kind = d.get("kind")
     if kind not in ("rl", "sft"):
-        raise ValueError(f"{r.source}: {where}kind: give \"rl\" or \"sft\", got {kind!r}")
+        raise ValueError(f'{r.source}: {where}kind: give "rl" or "sft", got {kind!r}')
     name = d.get("name")
     if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
         raise ValueError(f"{r.source}: {where}name: give a name of letters, digits, '-' and '_', got {name!r}")
@@ -256,7 +256,9 @@ class _Reader:
         if unknown:
             raise ValueError(f"{self.source}: {where}{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
 
-    def positive(self, d: dict[str, Any], where: str, key: str, *, default: float | None = None, zero: bool = False) -> float:
+    def positive(
+        self, d: dict[str, Any], where: str, key: str, *, default: float | None = None, zero: bool = False
+    ) -> float:
         value = d.get(key, default)
         if value is None:
             raise ValueError(f"{self.source}: {where}{key}: missing; give a number")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import os
 import socket
 import struct
 import subprocess
@@ -316,6 +315,7 @@ def _sampler(
         weights.put(data)
         rec.check(weights.intact(), f"{name}: weights {it + 1} written")
         send(pair, {"synced": header["weights"]})
+        receive(pair)  # the sync's end: the next rollout starts after it, as in synchronous RL
     return [r for r in (weights, kv) if r is not None]
 
 
@@ -358,6 +358,7 @@ def _trainer(
             rec.check(answer.get("synced") == it + 1, f"{name}: sync {it} acknowledged")
             work(job.sync_min * spm, t0)
             t1 = time.monotonic()
+            send(pair, {"done": it + 1})
         rec.span(name, gpu, "sync", t0, t1)
         rec.span(sampler_job, sampler_gpu, "sync", t0, t1)
     return [r for r in (weights, optim) if r is not None]

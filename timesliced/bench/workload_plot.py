@@ -26,6 +26,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
     modes = report["modes"]
     names = list(modes)
@@ -42,11 +43,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     width = 0.8 / max(len(modes[n]["duty"]) for n in names)
     for i, n in enumerate(names):
         for k, (gpu, duty) in enumerate(modes[n]["duty"].items()):
-            ax.bar(i - 0.4 + width * (k + 0.5), duty * 100, width, color=f"C{k % 10}", label=None)
-            if len(modes[n]["duty"]) <= 2:
-                ax.text(i - 0.4 + width * (k + 0.5), duty * 100 + 1, f"gpu{gpu}", ha="center", fontsize=7)
+            ax.bar(i - 0.4 + width * (k + 0.5), duty * 100, width, color="tab:gray" if k % 2 else "tab:green")
     ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("duty per GPU (%)")
+    ax.set_ylabel("duty per GPU (%), gpu0 first")
     ax.set_ylim(0, 110)
 
     jobs = sorted({s["job"] for n in names for s in modes[n]["timeline"]})
@@ -67,7 +66,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{n}: makespan {modes[n]['makespan_s']:.1f} s", fontsize=9, loc="left")
         if row == len(names):
             ax.set_xlabel("seconds")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=color[j]) for j in jobs]
+    handles = [Rectangle((0, 0), 1, 1, color=color[j]) for j in jobs]
     fig.legend(handles, jobs, loc="lower center", ncol=min(len(jobs), 6), fontsize=8, bbox_to_anchor=(0.5, -0.02))
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
