@@ -115,7 +115,7 @@ DELETE = object()
     ],
 )
 def test_a_bad_scenario_is_refused_naming_the_key(path: str, value: Any, named: str) -> None:
-    with pytest.raises(ValueError, match="my.toml") as err:
+    with pytest.raises(ValueError, match=r"my\.toml") as err:
         sc.parse(_set(path, value), "my.toml")
     assert named in str(err.value)
 

@@ -42,7 +42,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax = fig.add_subplot(grid[0, 1])
     width = 0.8 / max(len(modes[n]["duty"]) for n in names)
     for i, n in enumerate(names):
-        for k, (gpu, duty) in enumerate(modes[n]["duty"].items()):
+        for k, duty in enumerate(modes[n]["duty"].values()):
             ax.bar(i - 0.4 + width * (k + 0.5), duty * 100, width, color="tab:gray" if k % 2 else "tab:green")
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("duty per GPU (%), gpu0 first")
