@@ -123,6 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--seconds", type=float, default=30.0, help="how long the jobs take rounds")
     load.add_argument("--json", action="store_true", help="print one JSON object")
     load.set_defaults(run=cmd_bench_load)
+    workload = bench_sub.add_parser(
+        "workload",
+        help="the published experiment's shape (2 RL jobs, 1 SFT job) in four modes, with checked bytes",
+        description="Runs a scenario of synchronous RL jobs (a sampler process and a trainer process each: rollout, "
+        "reward on the CPU, train, weight sync) and SFT jobs as real client processes on a simulated-GPU daemon, "
+        "time-scaled, in the modes dedicated (a GPU per worker), serial (one job after another on 2 GPUs), reference "
+        "(time-sliced, parking on every handoff, no prefetch) and timesliced. Prints makespan, GPU hours, duty per "
+        "GPU, switches, bytes moved, median switch and wait, data errors and overlaps per mode, and the lower bound "
+        "(the busiest GPU's work or the longest job alone). Exits 1 if any mode lost a byte or overlapped two jobs.",
+    )
+    workload.add_argument(
+        "--scenario", type=Path, default=None, metavar="FILE", help="a TOML scenario (default: the published shape)"
+    )
+    workload.add_argument(
+        "--modes", default=None, metavar="M,...", help="modes to run, comma-separated (default: all four)"
+    )
+    workload.add_argument("--quick", action="store_true", help="the scenario's [quick] clock and share of iterations")
+    workload.add_argument("--json", action="store_true", help="print one JSON object")
+    workload.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE", help="write a PNG (needs timesliced[plot])"
+    )
+    workload.set_defaults(run=cmd_bench_workload)
     return parser
 
 
@@ -479,6 +501,42 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
         return 1
     print_figures(figures, args.json)
     return 1 if failed(figures) else 0
+
+
+def cmd_bench_workload(args: argparse.Namespace) -> int:
+    from .bench.scenario import load as load_scenario
+    from .bench.workload import failed, format_workload, run_workload
+
+    try:
+        scenario = load_scenario(args.scenario)
+        if args.quick:
+            scenario = scenario.quick()
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
+        if args.plot is not None:
+            from .bench.workload_plot import require_matplotlib
+
+            require_matplotlib()
+    except ValueError as exc:
+        raise SystemExit(f"timesliced: bench workload: {exc}") from None
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the daemon and the workers on the way out
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else print
+    try:
+        report = run_workload(scenario, modes, progress=say)
+    except ValueError as exc:
+        raise SystemExit(f"timesliced: bench workload: {exc}") from None
+    except RuntimeError as exc:
+        print(f"timesliced: bench workload: {exc}", file=sys.stderr)
+        return 1
+    if args.plot is not None:
+        from .bench.workload_plot import plot
+
+        plot(report, args.plot)
+        say(f"plot: {args.plot}")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_workload(report))
+    return 1 if failed(report) else 0
 
 
 def _size(n: float) -> str:

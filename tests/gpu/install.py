@@ -69,6 +69,7 @@ IMPORT_NAMES = {
     "jinja2": "jinja2",
     "prometheus-client": "prometheus_client",
     "taskgroup": "taskgroup",
+    "tomli": "tomli",
     "pytest": "pytest",
     "pytest-timeout": "pytest_timeout",
 }
