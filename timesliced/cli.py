@@ -145,6 +145,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", type=Path, default=None, metavar="FILE", help="write a PNG (needs timesliced[plot])"
     )
     workload.set_defaults(run=cmd_bench_workload)
+    scale = bench_sub.add_parser(
+        "scale",
+        help="the pure cores' cost per event at 10 and 1,000 jobs, and a new leader's rebuild (no sockets)",
+        description="Drives the leader's orchestrator and its scheduler directly, as 16 simulated nodes of 8 GPUs "
+        "would: jobs in groups of one GPU each take turns (acquire, simulated memory on the first grant, release), "
+        "every handoff parks one job and restores the next. Prints the time per input (per_event_us) and a new "
+        "leader's rebuild from the nodes' reports (rebuild_ms), keyed by job count. Exits 1 if a check failed "
+        "(two holders of a group, a fence that did not increase, a refused input, a rebuild that left pieces out).",
+    )
+    scale.add_argument("--jobs", type=int, nargs="+", default=[10, 1000], help="job counts to run")
+    scale.add_argument("--events", type=int, default=20000, help="inputs fed at each job count")
+    scale.add_argument("--check", action="store_true", help="also the scheduler's invariants after every input (slow)")
+    scale.add_argument("--json", action="store_true", help="print one JSON object")
+    scale.set_defaults(run=cmd_bench_scale)
     return parser
 
 
@@ -477,6 +491,17 @@ def cmd_bench_failover(args: argparse.Namespace) -> int:
 
     print_figures(bench_failover(args.kills), args.json)
     return 0
+
+
+def cmd_bench_scale(args: argparse.Namespace) -> int:
+    from .bench.scale import format_scale, run_scale
+
+    try:
+        result = run_scale(tuple(args.jobs), events=args.events, check=args.check)
+    except ValueError as exc:
+        raise SystemExit(f"timesliced: bench scale: {exc}") from None
+    print(json.dumps(result, indent=2) if args.json else format_scale(result))
+    return 0 if result["ok"] else 1
 
 
 def cmd_bench_offload(args: argparse.Namespace) -> int:

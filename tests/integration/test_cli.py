@@ -156,7 +156,8 @@ def test_bench_handoff_prints_figures() -> None:
     result = cli("bench", "handoff", "--rounds", "200", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
-    for key in ("handoff_p50_ms", "handoff_p99_ms", "acquire_release_per_s", "loopback_rtt_p50_ms"):
+    keys = ("handoff_p50_ms", "handoff_p99_ms", "acquire_release_per_s", "loopback_rtt_p50_ms", "ping_rtt_p50_ms")
+    for key in (*keys, "ping_after_idle_p50_ms", "handoff_over_ping", "handoff_over_ping_after_idle"):
         assert figures[key] > 0, key
     assert figures["handoffs"] >= 150
     assert figures["fences_strictly_increasing"]

@@ -47,7 +47,7 @@ def handoff_worker(address: str, job: str, jobs: int, rounds: int, hold_s: float
     return {"job": job, "slices": slices}
 
 
-def uncontended_worker(address: str, rounds: int) -> dict[str, Any]:
+def uncontended_worker(address: str, rounds: int, hold_s: float = 0.001) -> dict[str, Any]:
     from ..client import Client
 
     with Client(job="solo", group=f"{GROUP}-solo", address=address) as client:
@@ -63,7 +63,19 @@ def uncontended_worker(address: str, rounds: int) -> dict[str, Any]:
             t = time.perf_counter()
             client.ping()
             pings.append(time.perf_counter() - t)
-    return {"acquire_release_per_s": rounds / elapsed, "ping_rtt_p50_ms": (percentile(pings, 0.5) or 0.0) * 1000}
+        # A handoff follows a hold: the daemon and the waiter sat idle for it, and an idle CPU (a VM's
+        # above all) takes longer to wake. The same round trip after the same idle time, for comparison.
+        idle = []
+        for _ in range(min(rounds, 1000)):
+            time.sleep(hold_s)
+            t = time.perf_counter()
+            client.ping()
+            idle.append(time.perf_counter() - t)
+    return {
+        "acquire_release_per_s": rounds / elapsed,
+        "ping_rtt_p50_ms": (percentile(pings, 0.5) or 0.0) * 1000,
+        "ping_after_idle_p50_ms": (percentile(idle, 0.5) or 0.0) * 1000,
+    }
 
 
 def echo_server(path: str) -> None:
@@ -148,7 +160,7 @@ def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float) -> dic
     per_job = max(1, rounds // jobs)
     procs = [_run_worker("handoff", address, f"job-{i}", jobs, per_job, hold_s) for i in range(jobs)]
     records = [_result(p) for p in procs]
-    solo = _result(_run_worker("uncontended", address, rounds))
+    solo = _result(_run_worker("uncontended", address, rounds, hold_s))
     slices = sorted((acq, rel, fence, r["job"]) for r in records for acq, rel, fence in r["slices"])
     fences = [s[2] for s in slices]
     handoffs = [
@@ -162,6 +174,7 @@ def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float) -> dic
     p50 = percentile(handoffs, 0.5) or 0.0
     return {
         "jobs": jobs,
+        "hold_ms": hold_s * 1000,
         "rounds": len(slices),
         "handoffs": len(handoffs),
         "handoff_p50_ms": p50,
@@ -169,6 +182,9 @@ def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float) -> dic
         "handoff_max_ms": max(handoffs),
         "acquire_release_per_s": solo["acquire_release_per_s"],
         "ping_rtt_p50_ms": solo["ping_rtt_p50_ms"],
+        "handoff_over_ping": p50 / solo["ping_rtt_p50_ms"],
+        "ping_after_idle_p50_ms": solo["ping_after_idle_p50_ms"],
+        "handoff_over_ping_after_idle": p50 / solo["ping_after_idle_p50_ms"],
         "loopback_rtt_p50_ms": floor,
         "handoff_over_loopback": p50 / floor,
         "fences_strictly_increasing": all(b > a for a, b in itertools.pairwise(fences)),
@@ -183,7 +199,11 @@ def format_handoff(r: dict[str, Any]) -> str:
             f"  release -> next acquire returns   p50 {r['handoff_p50_ms']:.3f} ms   "
             f"p99 {r['handoff_p99_ms']:.3f} ms   max {r['handoff_max_ms']:.3f} ms",
             f"  uncontended acquire+release       {r['acquire_release_per_s']:.0f} /s",
-            f"  daemon ping round trip            p50 {r['ping_rtt_p50_ms']:.3f} ms",
+            f"  daemon ping round trip            p50 {r['ping_rtt_p50_ms']:.3f} ms   "
+            f"(handoff p50 / ping p50 {r['handoff_over_ping']:.2f}x)",
+            f"  {'ping after ' + format(r['hold_ms'], 'g') + ' ms idle, as a handoff':<34}p50 "
+            f"{r['ping_after_idle_p50_ms']:.3f} ms   "
+            f"(handoff p50 / it {r['handoff_over_ping_after_idle']:.2f}x)",
             f"  raw loopback round trip (floor)   p50 {r['loopback_rtt_p50_ms']:.3f} ms",
             f"  handoff p50 / loopback p50        {r['handoff_over_loopback']:.1f}x",
         ]

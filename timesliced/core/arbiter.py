@@ -53,8 +53,14 @@ class Arbiter:
 
     def advance_all(self, now: float, frozen: Mapping[str, str]) -> None:
         """Advance every group but the ``frozen`` ones (a node they span is out of reach)."""
+        policy = self._slices.policy
         for group in self._registry.groups.values():
-            if group.name not in frozen:
+            # Only a group that can act is visited (so a step costs what those cost, not every group):
+            # ``advance`` does nothing for one without a queue, one whose switch is under way, or one
+            # whose holder no slice policy polices.
+            if not group.queue or group.name in frozen:
+                continue
+            if group.switch is None if group.holder is None else policy(group.name) is not None:
                 self.advance(group, now)
 
     def advance(self, group: Group, now: float) -> None:

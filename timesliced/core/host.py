@@ -65,6 +65,8 @@ class HostLedger:
 
     def __init__(self, registry: Registry, journal: Journal) -> None:
         self.nodes: dict[int, NodeRoom] = {}  # slot -> its latest reading's budget
+        # every job with a refusal (lapsed ones too), so that ``freed`` looks at those only
+        self.refused_jobs: dict[str, Job] = {}
         self._registry = registry
         self._journal = journal
 
@@ -240,15 +242,19 @@ class HostLedger:
         """``job``'s park failed with its state intact: not tried again for ``PARK_RETRY_S``, or until freed."""
         self._journal.fields(job, REFUSAL)
         job.refusal = Refusal(reason, code or errors.ParkRefused.code, now + PARK_RETRY_S)
+        self._journal.keep_key(self.refused_jobs, job.name)
+        self.refused_jobs[job.name] = job
 
     def freed(self, slot: int | None, now: float) -> None:
         """Host memory came free on ``slot``: parks refused for want of it are tried again once they fit.
 
         ``None``: a job exited, which may have ended any cause: every refusal goes.
         """
-        for job in self._registry.jobs.values():
+        registry = self._registry
+        for job in sorted(self.refused_jobs.values(), key=lambda j: registry.rank.get(j.name, -1)):
             r = job.refusal
-            if r is None:
+            if r is None or registry.jobs.get(job.name) is not job:
+                self._journal.delete(self.refused_jobs, job.name)  # cleared, or the job is gone
                 continue
             for_memory = r.code == errors.InsufficientHostMemory.code and slot in self.slots(job)
             if slot is None or (for_memory and self.admit([job], job.name, now, may_wait=False) is None):
@@ -258,6 +264,8 @@ class HostLedger:
         if job.refusal is not None:
             self._journal.fields(job, REFUSAL)
             job.refusal = None
+        if self.refused_jobs.get(job.name) is job:
+            self._journal.delete(self.refused_jobs, job.name)
 
 
 def refused(job: Job, now: float) -> Refusal | None:

@@ -61,10 +61,18 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves) -> None:
     for job in jobs.values():
         assert all(sessions.get(s) == job.name for s in job.sessions), job.name
         assert all(n >= 0 for n in job.footprint.values()), job.name
+        # the ledger's indexes (registry): every GPU a footprint counts on, every exclusive job
+        assert all(job.name in registry.on_gpu.get(g, {}) for g, n in job.footprint.items() if n), (job.name, "on_gpu")
+        assert (job.name in registry.exclusive) == job.exclusive, (job.name, "exclusive")
         assert not job.parked or job.location in HOLDS_HOST, (
             f"{job.name} is {job.location.value}, yet counts parked bytes"
         )
         assert all(n > 0 for n in job.parked.values()), job.name
+    assert all(registry.jobs.get(n) is j for on in registry.on_gpu.values() for n, j in on.items()), "on_gpu"
+    assert all(registry.jobs.get(n) is j for n, j in registry.exclusive.items()), "exclusive"
+    assert set(registry.rank) == set(jobs), "rank"
+    refused = {n for n, j in jobs.items() if j.refusal is not None}
+    assert refused <= set(ledger.host.refused_jobs), ("refused_jobs", refused - set(ledger.host.refused_jobs))
 
 
 def live(registry: Registry, ledger: MemoryLedger, frozen: Mapping[str, str], now: float) -> None:

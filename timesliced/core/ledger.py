@@ -53,7 +53,8 @@ class MemoryLedger:
     # --- what the GPUs hold ----------------------------------------------------------
 
     def used(self, gpu: int) -> int:
-        return sum(j.footprint.get(gpu, 0) for j in self._registry.jobs.values() if j.location.occupies_device)
+        jobs = self._registry.on_gpu.get(gpu, {}).values()
+        return sum(j.footprint.get(gpu, 0) for j in jobs if j.location.occupies_device)
 
     def fits(self, gpu: int, nbytes: int) -> bool:
         return nbytes <= self.capacities[gpu] - self.used(gpu)
@@ -97,7 +98,7 @@ class MemoryLedger:
         candidates = sorted(
             (
                 j
-                for j in self._registry.jobs.values()
+                for j in self._registry.with_memory_on(need)
                 if j.location is Location.RESIDENT
                 and not j.faulted
                 # an exiting job is being reclaimed: parking it would race the reclaim
@@ -170,7 +171,11 @@ class MemoryLedger:
         gpus = set(registry.groups[job.group].gpus)
         rivals: list[Job] = []
         busy: set[str] = set()
-        for other in registry.jobs.values():
+        # Only an exclusive job, or (for an exclusive ``job``) one with memory on its GPUs, can be a rival.
+        others = dict(registry.exclusive)
+        if job.exclusive:
+            others.update((j.name, j) for j in registry.with_memory_on(gpus))
+        for other in sorted(others.values(), key=lambda j: registry.rank[j.name]):
             if other is job or not other.location.occupies_device or other.faulted or other.exiting:
                 continue
             if not (job.exclusive or other.exclusive) or not gpus & set(registry.groups[other.group].gpus):
@@ -219,6 +224,7 @@ class MemoryLedger:
 
     def reserve(self, job: Job, gpu: int, nbytes: int, requested: int, ticket: Ticket) -> None:
         """``nbytes`` more of ``gpu`` are ``job``'s: the shell allocates them and answers ``ticket``."""
+        self._registry.note_memory(job, (gpu,))
         self._journal.keep_dict(job.footprint)
         job.footprint[gpu] = job.footprint.get(gpu, 0) + nbytes
         self._emit(AllocateRegion(ticket, job.name, gpu, nbytes, requested))

@@ -101,6 +101,7 @@ class Rebuild:
         job = self._registry.jobs[name]
         if job.location is not Location.RESIDENT or self._registry.holds(job):
             raise ValueError(f"job {name!r} cannot be settled: it is {job.location.value} or holds its group")
+        self._registry.note_memory(job, footprint)  # its footprint once parked
         self._moves.settle(job, footprint, now)
 
     def keep_turn(self, name: str, until: float, now: float) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from typing import Any
 
 from .. import errors
@@ -22,6 +24,12 @@ class Registry:
         self.groups: dict[str, Group] = {}
         self.jobs: dict[str, Job] = {}
         self.sessions: dict[SessionId, str] = {}  # session -> job
+        # Indexes, so that the ledger's scans are proportional to a GPU's jobs, not to every job
+        # (journaled like the rest; ``invariants.check`` holds them to ``jobs``):
+        self.on_gpu: dict[int, dict[str, Job]] = {}  # gpu -> every job with memory counted there (and maybe more)
+        self.exclusive: dict[str, Job] = {}  # the jobs registered ``exclusive``
+        self.rank: dict[str, int] = {}  # job -> its place in ``jobs``: sorting by it keeps the order of a scan
+        self._ranks = itertools.count()
         self._journal = journal
 
     def job_of(self, session: SessionId) -> Job:
@@ -94,9 +102,31 @@ class Registry:
         return group
 
     def add_job(self, job: Job) -> Job:
-        self._journal.keep_key(self.jobs, job.name)
+        journal = self._journal
+        journal.keep_key(self.jobs, job.name)
+        journal.keep_key(self.rank, job.name)
         self.jobs[job.name] = job
+        self.rank[job.name] = next(self._ranks)
+        if job.exclusive:
+            journal.keep_key(self.exclusive, job.name)
+            self.exclusive[job.name] = job
+        self.note_memory(job, job.footprint)
         return job
+
+    def note_memory(self, job: Job, gpus: Iterable[int]) -> None:
+        """``job`` may count memory on ``gpus`` from now on: call it before any footprint gains a GPU."""
+        for gpu in gpus:
+            jobs = self.on_gpu.setdefault(gpu, {})
+            if job.name not in jobs:
+                self._journal.keep_key(jobs, job.name)
+                jobs[job.name] = job
+
+    def with_memory_on(self, gpus: Iterable[int]) -> list[Job]:
+        """The jobs that may count memory on any of ``gpus`` (a superset of those that do), in the order of ``jobs``."""
+        found: dict[str, Job] = {}
+        for gpu in gpus:
+            found.update(self.on_gpu.get(gpu, {}))
+        return sorted(found.values(), key=lambda j: self.rank[j.name])
 
     def close(self, session: SessionId) -> Job | None:
         """Unbind ``session``; returns its job, or None if it registered none."""
@@ -118,6 +148,12 @@ class Registry:
             journal.fields(group, LAST_HOLDER)
             group.last_holder = None
         journal.delete(self.jobs, name)
+        journal.delete(self.rank, name)
+        if name in self.exclusive:
+            journal.delete(self.exclusive, name)
+        for jobs in self.on_gpu.values():
+            if name in jobs:
+                journal.delete(jobs, name)
         for s in job.sessions:
             if s in self.sessions:
                 journal.delete(self.sessions, s)
