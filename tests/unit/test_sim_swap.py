@@ -18,6 +18,7 @@ from timesliced.backends.sim import SimBackend
 from timesliced.sim import layout
 from timesliced.sim.layout import RegionInfo, job_key
 from timesliced.sim.region import SimRegion
+from timesliced.util.compat import timeout
 
 from ..helpers.sims import PAGE, Sims
 
@@ -132,7 +133,7 @@ def test_a_cancelled_swap_leaves_each_job_whole(sims: Sims) -> None:
 
     async def cut() -> None:
         with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.1):
+            async with timeout(0.1):
                 await b.swap("a", "b")
         await b.restore("nobody")  # let the worker thread wind up
 
