@@ -21,6 +21,7 @@ from .cluster.discovery import DEFAULT_PEER_PORT, local_addresses, resolve_clust
 from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_slice_policy
 from .daemon.parking import CHOICES
 from .env import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV, TOKEN_ENV, default_state_dir, read_admin_token, read_token
+from .sim import DEFAULT_BANDWIDTH
 from .util.parse import parse_host_port, parse_size
 from .version import __version__
 
@@ -170,9 +171,10 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bandwidth",
         type=float,
-        default=25.0,
+        default=DEFAULT_BANDWIDTH / 1e9,
         metavar="GB/S",
-        help="simulated host<->device copy bandwidth in GB/s (0: as fast as memory allows)",
+        help="simulated host<->device copy bandwidth in GB/s, each direction (default %(default)g; 0: as fast as "
+        "memory allows; `timesliced bench copy` shows what this machine can honour)",
     )
     p.add_argument("--sim-dir", type=Path, default=None, help="where simulated device memory lives (tmpfs)")
     p.add_argument(

@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 
 from timesliced import errors
 from timesliced.backends.base import DeviceInfo, JobTarget, MoveResult, SwapResult, job_name
+from timesliced.sim import DEFAULT_BANDWIDTH
 from timesliced.sim.layout import (
     FAULTED,
     PARKED,
@@ -185,7 +186,7 @@ class SimBackend:
         gpus: int,
         capacity: int,
         page_size: int = 2 << 20,
-        bandwidth: float = 25e9,
+        bandwidth: float = DEFAULT_BANDWIDTH,
     ) -> None:
         if gpus < 1:
             raise ValueError(f"gpus must be at least 1, not {gpus}")

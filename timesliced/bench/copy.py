@@ -51,6 +51,40 @@ def _fresh_file(folder: Path, name: str, size: int) -> int:
     return fd
 
 
+def warm_ceiling(mib: int = 64, reps: int = 5) -> float:
+    """GB/s of a warm memory copy of ``mib`` MiB (best of ``reps``): the most any simulated move can honour."""
+    src = bytearray(os.urandom(MiB) * mib)
+    dst = bytearray(src)  # a copy: its pages are touched already
+    sv, dv = memoryview(src), memoryview(dst)
+
+    def once() -> Callable[[], None]:
+        def go() -> None:
+            dv[:] = sv
+
+        return go
+
+    return _best(reps, mib * MiB, once)
+
+
+def link_figures(model_bps: float) -> dict[str, float]:
+    """The sim's model bandwidth next to this machine's warm copy ceiling, for the benchmarks that time switches.
+
+    A model above the ceiling cannot be honoured: switches then take longer than the model says.
+    """
+    return {"model_gbps": model_bps / 1e9, "copy_ceiling_gbps": warm_ceiling()}
+
+
+def describe_link(figures: dict[str, float]) -> str:
+    model, ceiling = figures["model_gbps"], figures["copy_ceiling_gbps"]
+    line = (
+        f"sim link model {model:g} GB/s each way{' (unpaced)' if not model else ''}; "
+        f"this machine's warm copy ceiling {ceiling:.1f} GB/s"
+    )
+    if model > ceiling:
+        line += " (the model is faster than this machine copies: switches take longer than it says)"
+    return line
+
+
 def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, float]:
     """Copy figures for ``mib`` MiB on ``folder`` (a tmpfs, to be meaningful); see the module docstring."""
     n = mib * MiB
