@@ -16,6 +16,7 @@ adopts what it finds.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -973,6 +974,7 @@ class _Swap:
 
     def run(self) -> SwapResult:
         self._begin()  # raises when nothing moved
+        self.helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="timesliced-swap")
         try:
             while self.a_result is None or self.b_result is None:
                 ready = []  # (due, bytes moved, side): the direction due first, the one behind on a tie
@@ -984,12 +986,12 @@ class _Swap:
                     raise errors.BackendError(f"swap of {self.a.name!r} for {self.b.name!r} ran out of pages")
                 due, _, side = min(ready)
                 self._sleep_until(due)
-                try:
-                    self._step_a() if side == 0 else self._step_b()
-                except Exception as exc:
-                    if side == 0:
-                        raise
-                    self._fail_b(exc)
+                if len(ready) == 2 and max(d for d, _, _ in ready) <= time.perf_counter():
+                    self._step_a(beside=self._step_b_or_fail)  # both due: both directions at once
+                elif side == 0:
+                    self._step_a()
+                else:
+                    self._step_b_or_fail()
         except BaseException as exc:
             if self.b_result is None:
                 self._fail_b(exc)
@@ -998,6 +1000,7 @@ class _Swap:
             if not isinstance(exc, (Exception, _Aborted)):
                 raise
         finally:
+            self.helper.shutdown(wait=True)
             self._close_b_src()
             for fd in self.a_fds:
                 os.close(fd)
@@ -1058,18 +1061,31 @@ class _Swap:
 
     # --- the park -----------------------------------------------------------------------------
 
-    def _step_a(self) -> None:
-        """Copy the park's next chunk to its host file, hand over the pages it covered; or commit the park."""
+    def _step_a(self, beside: Callable[[], None] | None = None) -> None:
+        """Copy the park's next chunk to its host file, hand over the pages it covered; or commit the park.
+
+        ``beside`` runs in this thread while the helper thread writes the chunk: ``pwrite`` lets go
+        of the GIL, so the two directions' copies run at once, as on a full-duplex link.
+        """
         sim, a = self.sim, self.a
         if self.a_index == len(self.a_records):
             with sim._lock:
                 sim._update(a, state=PARKED, epoch=a.epoch + 1)  # every region's extents are empty by now
             self.a_result = MoveResult(self.a_moved, time.perf_counter() - self.start)
+            if beside is not None:
+                beside()
             return
         r = self.a_records[self.a_index]
         offset, n = sim._chunks(r)[self.a_piece]
         self.a_piece += 1
-        _pwrite_all(self.a_fds[self.a_index], sim._views[r.gpu][offset : offset + n], self.a_pos)
+        write = self.helper.submit(
+            _pwrite_all, self.a_fds[self.a_index], sim._views[r.gpu][offset : offset + n], self.a_pos
+        )
+        try:
+            if beside is not None:
+                beside()
+        finally:
+            write.result()  # the chunk is on the host (or its error is raised) before its pages go
         self.a_pos += n
         self.a_moved += n
         done = self.a_pos == r.nbytes
@@ -1127,6 +1143,12 @@ class _Swap:
             )
 
     # --- the restore --------------------------------------------------------------------------
+
+    def _step_b_or_fail(self) -> None:
+        try:
+            self._step_b()
+        except Exception as exc:  # the restore fails alone: the park goes on
+            self._fail_b(exc)
 
     def _b_can_go(self) -> bool:
         if self.b_index == len(self.b_records):
