@@ -157,7 +157,7 @@ async def _sim_moves(root: Path, sizes: tuple[int, ...], bandwidth: float, reps:
 
     page = 2 * MiB
     top = max(sizes) * MiB
-    capacity = -(-2 * top // page) * page  # room for two jobs of the largest size: a swap needs both
+    capacity = 2 * -(-top // page) * page  # room for two jobs of the largest size: a swap needs both
     backend = SimBackend(root, gpus=1, capacity=capacity, page_size=page, bandwidth=bandwidth)
     rows: list[dict[str, Any]] = []
     try:
