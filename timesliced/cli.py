@@ -21,6 +21,7 @@ from .cluster.discovery import DEFAULT_PEER_PORT, local_addresses, resolve_clust
 from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_slice_policy
 from .daemon.parking import CHOICES
 from .env import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV, TOKEN_ENV, default_state_dir, read_admin_token, read_token
+from .sim import DEFAULT_BANDWIDTH
 from .util.parse import parse_host_port, parse_size
 from .version import __version__
 
@@ -159,6 +160,24 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--check", action="store_true", help="also the scheduler's invariants after every input (slow)")
     scale.add_argument("--json", action="store_true", help="print one JSON object")
     scale.set_defaults(run=cmd_bench_scale)
+    copy = bench_sub.add_parser(
+        "copy",
+        help="this machine's memory copy ceiling, and the sim's moves against their bandwidth model",
+        description="Measures a warm memory copy (the machine's ceiling), a copy into fresh and into pre-faulted "
+        "tmpfs pages, then the simulated GPU's snapshot, restore and swap of 1 MiB to 1 GiB at several model "
+        "bandwidths: the time the model gives, the time taken, and their ratio (1.0: on the model).",
+    )
+    copy.add_argument(
+        "--bandwidth",
+        type=float,
+        action="append",
+        metavar="GB/S",
+        help="a model bandwidth to try (repeatable; default: 1, 2, and half and 0.9 of the warm ceiling)",
+    )
+    copy.add_argument("--mib", type=int, action="append", help="a move size in MiB (repeatable; default 1 16 256 1024)")
+    copy.add_argument("--rounds", type=int, default=3, help="moves of each kind per size (the median is shown)")
+    copy.add_argument("--json", action="store_true", help="print one JSON object")
+    copy.set_defaults(run=cmd_bench_copy)
     return parser
 
 
@@ -207,9 +226,10 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bandwidth",
         type=float,
-        default=25.0,
+        default=DEFAULT_BANDWIDTH / 1e9,
         metavar="GB/S",
-        help="simulated host<->device copy bandwidth in GB/s (0: as fast as memory allows)",
+        help="simulated host<->device copy bandwidth in GB/s, each direction (default %(default)g; 0: as fast as "
+        "memory allows; `timesliced bench copy` shows what this machine can honour)",
     )
     p.add_argument("--sim-dir", type=Path, default=None, help="where simulated device memory lives (tmpfs)")
     p.add_argument(
@@ -509,6 +529,17 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
 
     result = run_offload(mib=args.mib, rounds=args.rounds, device=args.device, switches=args.switches)
     print(json.dumps(result, indent=2) if args.json else format_offload(result))
+    return 0
+
+
+def cmd_bench_copy(args: argparse.Namespace) -> int:
+    from .bench.copy import SIZES_MIB, format_copy, run_copy
+
+    sizes = tuple(args.mib) if args.mib else SIZES_MIB
+    if any(m < 1 for m in sizes) or any(b <= 0 for b in args.bandwidth or ()) or args.rounds < 1:
+        raise SystemExit("timesliced: bench copy: sizes, bandwidths and rounds must be positive")
+    result = run_copy(bandwidths=args.bandwidth, sizes=sizes, reps=args.rounds)
+    print(json.dumps(result, indent=2) if args.json else format_copy(result))
     return 0
 
 

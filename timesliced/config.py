@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .core.slices import SlicePolicy
 from .env import default_sim_dir, default_socket_path, default_state_dir
+from .sim import DEFAULT_BANDWIDTH
 
 GiB = 1 << 30
 DEFAULT_WEB = ("127.0.0.1", 7712)
@@ -75,7 +76,7 @@ class DaemonConfig:
     gpus: int = 2
     gpu_memory: int = 16 * GiB  # per simulated GPU; sparse, costs RAM only when written
     page_size: int = 2 << 20
-    bandwidth: float = 25e9  # bytes/s of the simulated host link; 0 = as fast as memory allows
+    bandwidth: float = DEFAULT_BANDWIDTH  # bytes/s of the simulated host link; 0 = as fast as memory allows
     sim_dir: Path | None = None  # None: default_sim_dir(state_dir)
     max_frame: int = 1 << 20
     max_connections: int = 4096

@@ -129,6 +129,8 @@ def move(job: str, kind: str, nbytes: int, seconds: float, t: float) -> schema.M
         "nbytes": nbytes,
         "seconds": seconds,
         "gbps": nbytes / seconds / 1e9,
+        "direction": "to_host" if kind == "snapshot" else "to_device",
+        "swap_with": None,
     }
 
 
@@ -140,6 +142,8 @@ def job_moves(count: int, snapshots: int, restores: int, nbytes: int, seconds: f
         "nbytes": nbytes,
         "seconds": seconds,
         "median_gbps": nbytes / seconds / 1e9 if seconds else None,
+        "median_to_host_gbps": nbytes / seconds / 1e9 if seconds and snapshots else None,
+        "median_to_device_gbps": nbytes / seconds / 1e9 if seconds and restores else None,
     }
 
 

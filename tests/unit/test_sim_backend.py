@@ -173,7 +173,8 @@ def test_snapshot_returns_device_memory_and_blocks_access(sims: Sims) -> None:
     moved = asyncio.run(b.snapshot("a"))
     assert moved.nbytes == 10 * PAGE and moved.seconds >= 0
     assert b.free_bytes(0) == 32 * PAGE
-    assert arena.stat().st_blocks == 0  # the host got the RAM back, not just the allocator
+    # The device keeps the pages mapped for the next restore (warm copies, no page faults) ...
+    assert arena.stat().st_blocks * 512 >= 10 * PAGE
     assert b.job_state("a") == "parked" and b.footprint("a") == {0: 10 * PAGE}
     assert (b.root / "parked" / job_key("a") / "1.bin").stat().st_size == 10 * PAGE
     with pytest.raises(errors.NotResident, match="parked in host memory; acquire the lock"):
@@ -189,6 +190,9 @@ def test_snapshot_returns_device_memory_and_blocks_access(sims: Sims) -> None:
     assert not (b.root / "parked" / job_key("a")).exists()
     assert asyncio.run(b.restore("a")).nbytes == 0  # already resident
     assert asyncio.run(b.snapshot("nobody")) == asyncio.run(b.restore("nobody")) == MoveResult(0, 0.0)
+    asyncio.run(b.snapshot("a"))
+    asyncio.run(b.reclaim("a"))
+    assert arena.stat().st_blocks == 0  # ... and a job that leaves gives them back to the host
 
 
 def test_restore_places_bytes_exactly_on_other_pages(sims: Sims) -> None:
@@ -339,10 +343,10 @@ def test_failed_snapshot_leaves_the_job_resident(sims: Sims, monkeypatch: pytest
     r.fill(b"keep")
     digest = r.checksum()
 
-    def disk_full(fd: int, data: memoryview) -> None:
+    def disk_full(*args: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(sim, "_write_all", disk_full)
+    monkeypatch.setattr(sim, "_pwrite_all", disk_full)
     with pytest.raises(errors.InsufficientHostMemory, match="no room for the parked copy of job 'a'") as caught:
         asyncio.run(b.snapshot("a"))
     assert errors.state_intact(caught.value) and caught.value.details == {"job": "a", "needed": 5 * PAGE}

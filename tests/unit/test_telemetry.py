@@ -552,8 +552,9 @@ def test_switch_log_summaries() -> None:
     log.record("a", "snapshot", 0, 0.0, 15.0)  # moved nothing: counts, but not in the median
     rec = log.record("b", "snapshot", 1_000_000_000, 0.5, 16.0)
     assert rec.gbps == pytest.approx(2.0) and rec.kind is MoveKind.SNAPSHOT
-    assert log.summary("a") == JobMoves(4, 2, 2, 9_000_000_000, 3.0, 3.0)  # rates 2, 4, 3 GB/s: exact in binary
-    log.record("a", "restore", 5_000_000_000, 1.0, 17.0)
+    # rates 2, 4, 3 GB/s (exact in binary): to the host 2, to the device 4 and 3
+    assert log.summary("a") == JobMoves(4, 2, 2, 9_000_000_000, 3.0, 3.0, 2.0, 3.5)
+    log.record("a", "restore", 5_000_000_000, 1.0, 17.0, swap_with="b")
     assert log.summary("a").median_gbps == pytest.approx(3.5)  # type: ignore[union-attr]
     assert log.summary("nobody") is None
     assert [r.job for r in log.recent(limit=2)] == ["b", "a"]
@@ -561,7 +562,16 @@ def test_switch_log_summaries() -> None:
     assert log.recent(limit=0) == []
     d = log.describe(limit=1)
     assert d["recent"] == [
-        {"at": 17.0, "job": "a", "kind": "restore", "nbytes": 5_000_000_000, "seconds": 1.0, "gbps": 5.0}
+        {
+            "at": 17.0,
+            "job": "a",
+            "kind": "restore",
+            "nbytes": 5_000_000_000,
+            "seconds": 1.0,
+            "gbps": 5.0,
+            "direction": "to_device",
+            "swap_with": "b",
+        }
     ]
     assert d["jobs"]["b"] == {
         "count": 1,
@@ -570,6 +580,8 @@ def test_switch_log_summaries() -> None:
         "nbytes": 1_000_000_000,
         "seconds": 0.5,
         "median_gbps": pytest.approx(2.0),
+        "median_to_host_gbps": pytest.approx(2.0),
+        "median_to_device_gbps": None,
     }
     json.dumps(d)
 

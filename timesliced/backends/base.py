@@ -54,6 +54,41 @@ class MoveResult:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class SwapResult:
+    """How each half of a swap ended: a :class:`MoveResult`, or the error it failed with.
+
+    ``park`` is the outgoing job's snapshot (its bytes went to the host), ``restore`` the incoming
+    job's (its bytes went to the device). Each half's error follows the rules of a lone snapshot or
+    restore: one that says the state is intact (``errors.state_intact``) left that job where it was.
+    """
+
+    park: MoveResult | Exception
+    restore: MoveResult | Exception
+
+    @property
+    def to_host_gbps(self) -> float | None:
+        return self.park.gbps if isinstance(self.park, MoveResult) else None
+
+    @property
+    def to_device_gbps(self) -> float | None:
+        return self.restore.gbps if isinstance(self.restore, MoveResult) else None
+
+
+class Swapper(Protocol):
+    """A backend that can stream a park and a restore at once (optional; see ``daemon.moves.Mover.swap``)."""
+
+    async def swap(self, out: JobTarget, in_: JobTarget) -> SwapResult:
+        """Park ``out`` and restore ``in_`` at the same time, the restore taking the room the park frees.
+
+        Both directions of the host link are used at once. Each job ends wholly resident or wholly
+        parked (or faulted, as a lone move would leave it); a cancelled swap leaves each job as the
+        backend's ``job_state`` then says. Raises only for misuse (``ValueError``) and for a swap that
+        did not start (a ``StateIntact`` error: both jobs are where they were).
+        """
+        ...
+
+
 def job_name(job: JobTarget | str) -> str:
     """Backends that keep their own records (sim) also take a bare job name."""
     return job if isinstance(job, str) else job.name

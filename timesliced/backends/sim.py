@@ -16,6 +16,7 @@ adopts what it finds.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -27,12 +28,13 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, NoReturn
 
 from timesliced import errors
-from timesliced.backends.base import DeviceInfo, JobTarget, MoveResult, job_name
+from timesliced.backends.base import DeviceInfo, JobTarget, MoveResult, SwapResult, job_name
+from timesliced.sim import DEFAULT_BANDWIDTH
 from timesliced.sim.layout import (
     FAULTED,
     PARKED,
@@ -52,7 +54,11 @@ from timesliced.sim.layout import (
     read_ctl,
 )
 
-_CHUNK = 8 << 20  # bytes copied between bandwidth checks and abort checks
+# Bytes copied between bandwidth checks and abort checks. Large, so that the per-chunk cost (a system call
+# and the pacer's clock read, some microseconds) stays well under 1% of a chunk's copy time even at the
+# machine's warm copy ceiling (32 MiB is about 3 ms at 10 GB/s), yet an abandoned move stops within a few
+# milliseconds.
+_CHUNK = 32 << 20
 _MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
 
 
@@ -134,12 +140,18 @@ class _Job:
 
 
 class _Pacer:
-    """Holds a copy to the modelled bandwidth and stops it when its caller gives up."""
+    """Holds a copy to the modelled bandwidth and stops it when its caller gives up.
 
-    def __init__(self, bandwidth: float, abort: threading.Event) -> None:
+    The move is due at ``start + moved / bandwidth``; after each chunk the pacer sleeps until the
+    chunk's due time, so a copy that runs faster than the model (the usual case below the machine's
+    copy ceiling) ends on the model's time, and the move's fixed costs (control file commits, opening
+    files) are taken out of the sleep instead of being added to it. ``start`` is when the move began.
+    """
+
+    def __init__(self, bandwidth: float, abort: threading.Event, start: float | None = None) -> None:
         self._bandwidth = bandwidth
         self._abort = abort
-        self._start = time.perf_counter()
+        self._start = time.perf_counter() if start is None else start
         self.moved = 0
 
     def advance(self, nbytes: int) -> None:
@@ -154,17 +166,13 @@ class _Pacer:
                 raise _Aborted
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+_fallocate = os.posix_fallocate  # a seam for tests: a full tmpfs fails here with ENOSPC
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
-        data = data[os.write(fd, data) :]
-
-
-def _read_exact(fd: int, buf: memoryview) -> None:
-    while buf:
-        n = os.readv(fd, [buf])
-        if n == 0:
-            raise OSError("parked file ended early")
-        buf = buf[n:]
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 class SimBackend:
@@ -179,7 +187,7 @@ class SimBackend:
         gpus: int,
         capacity: int,
         page_size: int = 2 << 20,
-        bandwidth: float = 25e9,
+        bandwidth: float = DEFAULT_BANDWIDTH,
     ) -> None:
         if gpus < 1:
             raise ValueError(f"gpus must be at least 1, not {gpus}")
@@ -372,6 +380,8 @@ class SimBackend:
                 for record in old:
                     self._release_pages(record)
                 del self._jobs[job]
+                for gpu, allocator in enumerate(self._allocators):  # what moves kept mapped goes back too
+                    self._punch(gpu, tuple(allocator.free_runs()))
                 # Clear the job's paths now, so a new job of the same name can start at once.
                 ctl_path(self.root, job).unlink(missing_ok=True)
                 trash = self._discard(parked_dir(self.root, job))
@@ -400,6 +410,56 @@ class SimBackend:
         self._views, self._arenas = [], []
         self._unlock()
 
+    # --- swap: a park and a restore streamed at once -----------------------------------
+
+    async def swap(self, out: JobTarget | str, in_: JobTarget | str) -> SwapResult:
+        """Park ``out`` and restore ``in_`` at once, chunk by chunk, the restore taking the pages the park frees.
+
+        The model is full duplex: each direction runs at ``bandwidth``, so a swap of A out and B in
+        takes about max(A, B) / bandwidth. The park copies the outgoing job's regions to host files
+        in order; each chunk's pages, once their bytes are in the host file, are handed over (the
+        outgoing job's control file stops listing them) and the restore copies the incoming job's
+        bytes into them. A daemon killed at any instant leaves the outgoing job resident (nothing
+        handed over yet) or finishable as parked (its host files hold what was handed over, its
+        device pages the rest; start-up completes the park), and the incoming job parked (its
+        parked files are only read) or resident (committed). Jobs not in the states a swap needs
+        (``out`` resident, ``in_`` parked) are moved one after the other as a lone snapshot and
+        restore would move them.
+
+        Raises ``ValueError`` for one job swapped with itself, ``RestoreRefused`` when the incoming
+        job would not fit even in the room the outgoing one frees, and ``ParkRefused`` or
+        ``InsufficientHostMemory`` when the park cannot start: in each case nothing moved.
+        """
+        a_name, b_name = job_name(out), job_name(in_)
+        if a_name == b_name:
+            raise ValueError(f"a swap needs two jobs, not {a_name!r} twice")
+        self._check_open()
+        while True:
+            with self._lock:
+                a, b = self._jobs.get(a_name), self._jobs.get(b_name)
+                busy = next((j.move for j in (a, b) if j is not None and j.move is not None), None)
+                streamable = a is not None and b is not None and a.state == RESIDENT and b.state == PARKED
+                if busy is None and a is not None and b is not None and streamable:
+                    a.move, b.move = claims = (_Move(), _Move())
+                    break
+            if busy is None:  # nothing to stream: the halves go one after the other, as lone moves
+                return SwapResult(await _outcome(self.snapshot(a_name)), await _outcome(self.restore(b_name)))
+            await busy.wait()
+        # The worker thread releases both claims, so a cancelled caller never leaves them dangling.
+        try:
+            return await asyncio.to_thread(self._swap, a, b, claims)
+        except asyncio.CancelledError:
+            for claim in claims:
+                claim.abort.set()
+            raise
+
+    def _swap(self, a: _Job, b: _Job, claims: tuple[_Move, _Move]) -> SwapResult:
+        try:
+            return _Swap(self, a, b, claims).run()
+        finally:
+            self._finish(a, claims[0])
+            self._finish(b, claims[1])
+
     async def _move(self, job: str, work: Callable[[_Job, _Move], MoveResult]) -> MoveResult:
         self._check_open()
         while True:
@@ -420,6 +480,7 @@ class SimBackend:
             raise
 
     def _snapshot(self, j: _Job, move: _Move) -> MoveResult:
+        start = time.perf_counter()
         try:
             with self._lock:
                 if j.state == PARKED:
@@ -430,9 +491,8 @@ class SimBackend:
                 except errors.BackendError as exc:  # nothing changed: the job runs on, whole
                     raise errors.ParkRefused(f"snapshot of job {j.name!r} was not started: {exc.message}") from exc
                 records = list(j.regions.values())
-            start = time.perf_counter()
             try:
-                moved = self._write_parked(j, records, move)
+                moved = self._write_parked(j, records, move, start)
                 with self._lock:
                     parked = {k: dataclasses.replace(r, extents=()) for k, r in j.regions.items()}
                     self._update(j, state=PARKED, epoch=j.epoch + 1, regions=parked)
@@ -443,12 +503,13 @@ class SimBackend:
                 self._reraise("snapshot", j, exc)
             with self._lock:  # only now, with the host copy committed, can the pages go
                 for record in records:
-                    self._release_pages(record)
+                    self._release_pages(record, keep=True)
             return MoveResult(moved, time.perf_counter() - start)
         finally:
             self._finish(j, move)
 
     def _restore(self, j: _Job, move: _Move) -> MoveResult:
+        start = time.perf_counter()
         try:
             with self._lock:
                 if j.state == RESIDENT:
@@ -458,18 +519,18 @@ class SimBackend:
                     placed = self._take_pages(j)
                 except errors.OutOfMemory as exc:  # nothing was touched: the parked copy is whole
                     raise errors.RestoreRefused(exc.message, **exc.details) from exc
-            start = time.perf_counter()
             try:
-                moved = self._read_parked(j, placed, move)
+                moved = self._read_parked(j, placed, move, start)
                 with self._lock:
                     self._update(j, state=RESIDENT, epoch=j.epoch + 1, regions={r.region: r for r in placed})
             except BaseException as exc:
                 with self._lock:
                     for record in placed:
-                        self._release_pages(record)
+                        self._release_pages(record, keep=True)
                 self._reraise("restore", j, exc)
+            took = time.perf_counter() - start  # the job is on the device: what follows is cleaning up
             shutil.rmtree(parked_dir(self.root, j.name), ignore_errors=True)
-            return MoveResult(moved, time.perf_counter() - start)
+            return MoveResult(moved, took)
         finally:
             self._finish(j, move)
 
@@ -492,28 +553,57 @@ class SimBackend:
                 )
             placed.append(dataclasses.replace(r, extents=extents))
         for record in placed:
-            self._punch(record.gpu, record.extents)
+            self._zero_tail(record)
         return placed
 
-    def _write_parked(self, j: _Job, records: list[RegionRecord], move: _Move) -> int:
+    def _write_parked(self, j: _Job, records: list[RegionRecord], move: _Move, start: float) -> int:
         folder = parked_dir(self.root, j.name)
         folder.mkdir(mode=0o700, exist_ok=True)
-        pacer = _Pacer(self.bandwidth, move.abort)
-        for r in records:
-            tmp = folder / f"{r.region}.bin.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                for offset, n in self._chunks(r):
-                    _write_all(fd, self._views[r.gpu][offset : offset + n])
-                    pacer.advance(n)
-            finally:
+        pacer = _Pacer(self.bandwidth, move.abort, start)
+        fds = []
+        try:
+            for r in records:
+                fds.append(self._open_parked(folder, r, reserve=False))
+        except BaseException:
+            for fd in fds:
                 os.close(fd)
-            os.rename(tmp, folder / f"{r.region}.bin")  # complete files only ever carry the final name
+            raise
+        try:
+            for r, fd in zip(records, fds, strict=True):
+                pos = 0
+                for offset, n in self._chunks(r):
+                    _pwrite_all(fd, self._views[r.gpu][offset : offset + n], pos)
+                    pos += n
+                    pacer.advance(n)
+                os.rename(folder / f"{r.region}.bin.tmp", folder / f"{r.region}.bin")  # complete files only
+        finally:
+            for fd in fds:
+                os.close(fd)
         return pacer.moved
 
-    def _read_parked(self, j: _Job, placed: list[RegionRecord], move: _Move) -> int:
+    def _open_parked(self, folder: Path, r: RegionRecord, *, reserve: bool) -> int:
+        """A new ``<region>.bin.tmp``; with ``reserve``, all its room taken now.
+
+        A lone snapshot lets ``pwrite`` allocate the tmpfs pages as it copies: that runs as fast as
+        allocating them first (``posix_fallocate`` and then ``pwrite`` into allocated pages cost the
+        same in all, ``timesliced bench copy``), and a tmpfs that fills part way fails the park with
+        ``ENOSPC``, which rolls it back whole. A swap reserves (``posix_fallocate`` fails with
+        ``ENOSPC`` before a byte is copied) because its park must not fail once it has handed pages
+        over to the restore: from then on the host copy is the only whole one. Either way the room
+        the files take is exactly the job's parked state.
+        """
+        fd = os.open(folder / f"{r.region}.bin.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if r.nbytes and reserve:
+                _fallocate(fd, 0, r.nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _read_parked(self, j: _Job, placed: list[RegionRecord], move: _Move, start: float) -> int:
         folder = parked_dir(self.root, j.name)
-        pacer = _Pacer(self.bandwidth, move.abort)
+        pacer = _Pacer(self.bandwidth, move.abort, start)
         for r in placed:
             path = folder / f"{r.region}.bin"
             fd = os.open(path, os.O_RDONLY)
@@ -521,9 +611,15 @@ class SimBackend:
                 size = os.fstat(fd).st_size
                 if size != r.nbytes:
                     raise errors.BackendError(f"parked copy {path} has {size} bytes, expected {r.nbytes}")
-                for offset, n in self._chunks(r):
-                    _read_exact(fd, self._views[r.gpu][offset : offset + n])
-                    pacer.advance(n)
+                # A read-only mapping of the parked file: its pages are in memory already, so mapping them
+                # costs little (read faults map pages around the one touched), and one copy per chunk
+                # runs faster than read(2) through the page cache (``timesliced bench copy``).
+                with mmap.mmap(fd, r.nbytes, prot=mmap.PROT_READ) as m, memoryview(m) as src:
+                    pos = 0
+                    for offset, n in self._chunks(r):
+                        self._views[r.gpu][offset : offset + n] = src[pos : pos + n]
+                        pos += n
+                        pacer.advance(n)
             finally:
                 os.close(fd)
         return pacer.moved
@@ -625,11 +721,31 @@ class SimBackend:
             self.page_size,
         )
 
-    def _release_pages(self, r: RegionRecord) -> None:
-        """Return a region's pages (if it has any) to the host and to the allocator (under the lock)."""
+    def _release_pages(self, r: RegionRecord, *, keep: bool = False) -> None:
+        """Return a region's pages (if it has any) to the allocator, and to the host unless ``keep`` (under the lock).
+
+        A move keeps the pages it frees (``keep``): the next restore on this device takes them, and
+        copying into pages that are mapped already runs at the machine's warm copy rate, where pages
+        given back to the host must be faulted in again at a fraction of it (``timesliced bench
+        copy``). The simulated device's memory is then held on the host up to its high-water mark,
+        as a real GPU's memory is always there; a freed region or a reclaimed job gives its pages back.
+        Kept pages hold stale bytes: ``alloc`` zeroes what it hands out, a restore overwrites its
+        pages and zeroes the tail of its last page.
+        """
         if r.extents:
-            self._punch(r.gpu, r.extents)
+            if not keep:
+                self._punch(r.gpu, r.extents)
             self._allocators[r.gpu].give(r.extents)
+
+    def _zero_tail(self, r: RegionRecord) -> None:
+        """Zero what a region's pages hold past its ``nbytes`` (a restore writes everything before)."""
+        covered = 0
+        for page, count in r.extents:
+            start, length = page * self.page_size, count * self.page_size
+            lo = max(start, start + r.nbytes - covered)
+            if lo < start + length:
+                self._views[r.gpu][lo : start + length] = bytes(start + length - lo)
+            covered += length
 
     def _punch(self, gpu: int, extents: tuple[Extent, ...]) -> None:
         """Zero pages, handing their memory back to the host where the file system can."""
@@ -726,6 +842,10 @@ class SimBackend:
 
     def _adopted_state(self, j: _Job, fresh: list[bool]) -> int:
         """What an adopted job really is: its pages claimed if resident, its files checked if parked."""
+        if j.state == PARKING and any(
+            sum(n for _, n in r.extents) < self.rounded(r.nbytes) // self.page_size for r in j.regions.values()
+        ):
+            return self._finish_handed_park(j, fresh)
         if j.state in (RESIDENT, PARKING):
             claimed: list[RegionRecord] = []
             for r in j.regions.values():
@@ -746,6 +866,42 @@ class SimBackend:
             return PARKED
         return FAULTED
 
+    def _finish_handed_park(self, j: _Job, fresh: list[bool]) -> int:
+        """Complete the park of a job a swap was moving out when the daemon died; PARKED, or FAULTED.
+
+        Its control file lists, per region, only the pages not yet handed over: the region's last
+        pages, holding its bytes from ``handed * page_size`` on. Everything before is in the host
+        file already (``<region>.bin`` once the region was complete, else ``<region>.bin.tmp``),
+        written before the pages were handed over. So the host file plus the listed pages are the
+        whole region: copy those pages into the file and give it its final name.
+        """
+        folder = parked_dir(self.root, j.name)
+        try:
+            for r in j.regions.values():
+                final, tmp = folder / f"{r.region}.bin", folder / f"{r.region}.bin.tmp"
+                pages = self.rounded(r.nbytes) // self.page_size
+                left = sum(n for _, n in r.extents)
+                if final.is_file() and final.stat().st_size == r.nbytes:
+                    continue  # renamed only once complete
+                if not left or r.gpu >= self.gpus or fresh[r.gpu] or (left < pages and not tmp.is_file()):
+                    return FAULTED  # a handed-over prefix with no host copy, or device pages that are gone
+                folder.mkdir(mode=0o700, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
+                    os.ftruncate(fd, r.nbytes)
+                    pos = (pages - left) * self.page_size
+                    for page, count in r.extents:
+                        at = page * self.page_size
+                        n = min(count * self.page_size, r.nbytes - pos)
+                        _pwrite_all(fd, self._views[r.gpu][at : at + n], pos)
+                        pos += n
+                finally:
+                    os.close(fd)
+                os.rename(tmp, final)
+        except OSError:
+            return FAULTED
+        return PARKED
+
     def _clean_parked(self) -> None:
         """Remove host copies nobody owns: partial files, and leftovers of finished moves."""
         by_key = {job_key(name): j for name, j in self._jobs.items()}
@@ -762,3 +918,310 @@ class SimBackend:
                         shutil.rmtree(f, ignore_errors=True)
                     elif f.name not in keep:
                         f.unlink()
+
+
+async def _outcome(move: Coroutine[Any, Any, MoveResult]) -> MoveResult | Exception:
+    try:
+        return await move
+    except Exception as exc:
+        return exc
+
+
+def _runs(pages: list[int]) -> tuple[Extent, ...]:
+    """Pages in order as runs of consecutive pages."""
+    runs: list[Extent] = []
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return tuple(runs)
+
+
+def _pages(extents: tuple[Extent, ...]) -> list[int]:
+    return [p for start, n in extents for p in range(start, start + n)]
+
+
+class _Swap:
+    """One swap in its worker thread: the outgoing job ``a`` parks while the incoming job ``b`` restores.
+
+    Two cursors, one per direction, each paced by its own due time (``start + moved / bandwidth``);
+    the loop always advances the direction that is due first and can go on (the restore waits when
+    no page is free yet). See ``SimBackend.swap`` for the crash-consistency argument.
+    """
+
+    def __init__(self, sim: SimBackend, a: _Job, b: _Job, claims: tuple[_Move, _Move]) -> None:
+        self.sim, self.a, self.b = sim, a, b
+        self.abort = claims[0].abort
+        self.other_abort = claims[1].abort
+        self.start = time.perf_counter()
+        self.page = sim.page_size
+        self.pool: dict[int, list[int]] = {}  # gpu -> pages the park handed over, not yet taken
+        # the park: region by region, chunk by chunk
+        self.a_records: list[RegionRecord] = []
+        self.a_fds: list[int] = []
+        self.a_index = self.a_pos = self.a_piece = self.a_moved = 0
+        self.a_handed: dict[int, int] = {}  # region -> pages handed over (a prefix of its pages)
+        self.a_result: MoveResult | Exception | None = None
+        # the restore
+        self.b_records = list(b.regions.values())
+        self.b_placed: dict[int, list[int]] = {r.region: [] for r in self.b_records}
+        self.b_index = self.b_pos = self.b_moved = 0
+        self.b_src: tuple[int, mmap.mmap, memoryview] | None = None
+        self.b_result: MoveResult | Exception | None = None
+
+    # --- the whole swap ---------------------------------------------------------------------
+
+    def run(self) -> SwapResult:
+        self._begin()  # raises when nothing moved
+        self.helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="timesliced-swap")
+        try:
+            while self.a_result is None or self.b_result is None:
+                ready = []  # (due, bytes moved, side): the direction due first, the one behind on a tie
+                if self.a_result is None:
+                    ready.append((self._due(self.a_moved), self.a_moved, 0))
+                if self.b_result is None and self._b_can_go():
+                    ready.append((self._due(self.b_moved), self.b_moved, 1))
+                if not ready:
+                    raise errors.BackendError(f"swap of {self.a.name!r} for {self.b.name!r} ran out of pages")
+                due, _, side = min(ready)
+                self._sleep_until(due)
+                if len(ready) == 2 and max(d for d, _, _ in ready) <= time.perf_counter():
+                    self._step_a(beside=self._step_b_or_fail)  # both due: both directions at once
+                elif side == 0:
+                    self._step_a()
+                else:
+                    self._step_b_or_fail()
+        except BaseException as exc:
+            if self.b_result is None:
+                self._fail_b(exc)
+            if self.a_result is None:
+                self._fail_a(exc)
+            if not isinstance(exc, (Exception, _Aborted)):
+                raise
+        finally:
+            self.helper.shutdown(wait=True)
+            self._close_b_src()
+            for fd in self.a_fds:
+                os.close(fd)
+        with self.sim._lock:  # pages handed over that the restore did not need are free device memory
+            for gpu, pages in self.pool.items():
+                self.sim._allocators[gpu].give(_runs(pages))
+            self.pool.clear()
+        assert self.a_result is not None and self.b_result is not None
+        return SwapResult(self.a_result, self.b_result)
+
+    def _due(self, moved: int) -> float:
+        return self.start + (moved / self.sim.bandwidth if self.sim.bandwidth else 0.0)
+
+    def _sleep_until(self, due: float) -> None:
+        if self.abort.is_set() or self.other_abort.is_set():
+            raise _Aborted
+        while (left := due - time.perf_counter()) > 0:
+            if self.abort.wait(left):
+                raise _Aborted
+
+    def _begin(self) -> None:
+        """Check that the incoming job fits in free pages plus the outgoing job's, then start the park."""
+        sim, a, b = self.sim, self.a, self.b
+        with sim._lock:
+            need: dict[int, int] = {}
+            for r in b.regions.values():
+                need[r.gpu] = need.get(r.gpu, 0) + sim.rounded(r.nbytes) // self.page
+            for gpu, pages in need.items():
+                room = sim._allocators[gpu].free_pages + sum(
+                    n for r in a.regions.values() if r.gpu == gpu for _, n in r.extents
+                )
+                if pages > room:
+                    raise errors.RestoreRefused(
+                        f"cannot swap job {b.name!r} in for {a.name!r}: it needs {pages * self.page} bytes on gpu "
+                        f"{gpu}, which has {room * self.page} free once {a.name!r} is parked; both jobs stay where "
+                        "they are",
+                        gpu=gpu,
+                        requested=pages * self.page,
+                        free=room * self.page,
+                        capacity=sim.capacity,
+                    )
+            try:
+                sim._update(a, state=PARKING, epoch=a.epoch + 1)  # its clients stop touching it now
+            except errors.BackendError as exc:
+                raise errors.ParkRefused(f"swap of job {a.name!r} was not started: {exc.message}") from exc
+            self.a_records = list(a.regions.values())
+        folder = parked_dir(sim.root, a.name)
+        try:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            for r in self.a_records:
+                self.a_fds.append(sim._open_parked(folder, r, reserve=True))
+        except BaseException as exc:
+            for fd in self.a_fds:
+                os.close(fd)
+            self.a_fds = []
+            self._roll_back_a()
+            sim._reraise("snapshot", a, exc)
+
+    # --- the park -----------------------------------------------------------------------------
+
+    def _step_a(self, beside: Callable[[], None] | None = None) -> None:
+        """Copy the park's next chunk to its host file, hand over the pages it covered; or commit the park.
+
+        ``beside`` runs in this thread while the helper thread writes the chunk: ``pwrite`` lets go
+        of the GIL, so the two directions' copies run at once, as on a full-duplex link.
+        """
+        sim, a = self.sim, self.a
+        if self.a_index == len(self.a_records):
+            with sim._lock:
+                sim._update(a, state=PARKED, epoch=a.epoch + 1)  # every region's extents are empty by now
+            self.a_result = MoveResult(self.a_moved, time.perf_counter() - self.start)
+            if beside is not None:
+                beside()
+            return
+        r = self.a_records[self.a_index]
+        offset, n = sim._chunks(r)[self.a_piece]
+        self.a_piece += 1
+        write = self.helper.submit(
+            _pwrite_all, self.a_fds[self.a_index], sim._views[r.gpu][offset : offset + n], self.a_pos
+        )
+        try:
+            if beside is not None:
+                beside()
+        finally:
+            write.result()  # the chunk is on the host (or its error is raised) before its pages go
+        self.a_pos += n
+        self.a_moved += n
+        done = self.a_pos == r.nbytes
+        if done:
+            folder = parked_dir(sim.root, a.name)
+            os.rename(folder / f"{r.region}.bin.tmp", folder / f"{r.region}.bin")  # before its pages go
+        self._hand_over(r, len(_pages(r.extents)) if done else self.a_pos // self.page)
+        if done:
+            self.a_index, self.a_pos, self.a_piece = self.a_index + 1, 0, 0
+
+    def _hand_over(self, r: RegionRecord, upto: int) -> None:
+        """Give the restore region ``r``'s first ``upto`` pages, their bytes being on the host now."""
+        sim, a = self.sim, self.a
+        handed = self.a_handed.get(r.region, 0)
+        if upto <= handed:
+            return
+        pages = _pages(r.extents)
+        with sim._lock:
+            now = a.regions[r.region]
+            sim._update(a, regions={**a.regions, r.region: dataclasses.replace(now, extents=_runs(pages[upto:]))})
+            self.pool.setdefault(r.gpu, []).extend(pages[handed:upto])
+        self.a_handed[r.region] = upto
+
+    def _roll_back_a(self) -> None:
+        """Nothing was handed over: the device copy is whole; drop the host copy, the job runs on."""
+        sim, a = self.sim, self.a
+        shutil.rmtree(parked_dir(sim.root, a.name), ignore_errors=True)
+        with sim._lock:
+            sim._update(a, strict=False, state=RESIDENT, epoch=a.epoch + 1)
+
+    def _fail_a(self, exc: BaseException) -> None:
+        """The park stopped: roll it back if no page was handed over, else finish it without pacing."""
+        sim, a = self.sim, self.a
+        if not any(self.a_handed.values()):
+            self._roll_back_a()
+            try:
+                sim._reraise("snapshot", a, exc)
+            except Exception as err:
+                self.a_result = err
+            return
+        try:  # pages were handed over: the only whole copy is the host one, so complete it
+            while self.a_index < len(self.a_records):
+                self._step_a()
+            with sim._lock:
+                sim._update(a, state=PARKED, epoch=a.epoch + 1)
+            self.a_result = MoveResult(self.a_moved, time.perf_counter() - self.start)
+        except Exception as err:
+            with sim._lock:
+                gone = {k: dataclasses.replace(r, extents=()) for k, r in a.regions.items()}
+                for r in a.regions.values():
+                    sim._release_pages(r, keep=True)
+                sim._update(a, strict=False, state=FAULTED, epoch=a.epoch + 1, regions=gone)
+            self.a_result = errors.BackendError(
+                f"swap of job {a.name!r} out failed after part of it was handed over: {err}; the job is faulted"
+            )
+
+    # --- the restore --------------------------------------------------------------------------
+
+    def _step_b_or_fail(self) -> None:
+        try:
+            self._step_b()
+        except Exception as exc:  # the restore fails alone: the park goes on
+            self._fail_b(exc)
+
+    def _b_can_go(self) -> bool:
+        if self.b_index == len(self.b_records):
+            return True  # only the commit is left
+        r = self.b_records[self.b_index]
+        return bool(self.pool.get(r.gpu)) or self.sim._allocators[r.gpu].free_pages > 0
+
+    def _step_b(self) -> None:
+        """Copy the restore's next chunk into free or handed-over pages; or commit the restore."""
+        sim, b = self.sim, self.b
+        if self.b_index == len(self.b_records):
+            placed = {r.region: dataclasses.replace(r, extents=_runs(self.b_placed[r.region])) for r in self.b_records}
+            with sim._lock:
+                for record in placed.values():
+                    sim._zero_tail(record)
+                sim._update(b, state=RESIDENT, epoch=b.epoch + 1, regions=placed)
+            self.b_result = MoveResult(self.b_moved, time.perf_counter() - self.start)
+            shutil.rmtree(parked_dir(sim.root, b.name), ignore_errors=True)
+            return
+        r = self.b_records[self.b_index]
+        if self.b_src is None:
+            path = parked_dir(sim.root, b.name) / f"{r.region}.bin"
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if size != r.nbytes:
+                    raise errors.BackendError(f"parked copy {path} has {size} bytes, expected {r.nbytes}")
+                m = mmap.mmap(fd, r.nbytes, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            self.b_src = (r.region, m, memoryview(m))
+        want = min(_CHUNK, r.nbytes - self.b_pos)
+        npages = -(-want // self.page)
+        got: list[int] = []
+        with sim._lock:  # the pages the park handed over first: they are mapped already (warm)
+            pool = self.pool.get(r.gpu, [])
+            take = min(npages, len(pool))
+            got += pool[:take]
+            del pool[:take]
+            free = sim._allocators[r.gpu]
+            if len(got) < npages and free.free_pages:
+                got += _pages(free.take(min(npages - len(got), free.free_pages)) or ())
+        self.b_placed[r.region] += got
+        src = self.b_src[2]
+        for page, count in _runs(got):
+            n = min(count * self.page, r.nbytes - self.b_pos)
+            at = page * self.page
+            sim._views[r.gpu][at : at + n] = src[self.b_pos : self.b_pos + n]
+            self.b_pos += n
+            self.b_moved += n
+        if self.b_pos == r.nbytes:
+            self._close_b_src()
+            self.b_index, self.b_pos = self.b_index + 1, 0
+
+    def _close_b_src(self) -> None:
+        if self.b_src is not None:
+            _, m, view = self.b_src
+            self.b_src = None
+            view.release()
+            m.close()
+
+    def _fail_b(self, exc: BaseException) -> None:
+        """The restore stopped: give back its pages; its parked copy, only read, stays (``_reraise``'s rules)."""
+        sim, b = self.sim, self.b
+        self._close_b_src()
+        with sim._lock:
+            for region, pages in self.b_placed.items():
+                sim._allocators[self.b_records_gpu(region)].give(_runs(pages))
+            self.b_placed = {k: [] for k in self.b_placed}
+        try:
+            sim._reraise("restore", b, exc)
+        except Exception as err:
+            self.b_result = err
+
+    def b_records_gpu(self, region: int) -> int:
+        return next(r.gpu for r in self.b_records if r.region == region)

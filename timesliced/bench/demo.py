@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..daemon.embedded import EmbeddedDaemon
+from ..sim import DEFAULT_BANDWIDTH
 from ..util.stats import median
+from .copy import describe_link, link_figures
 
 MiB = 1 << 20
 GPUS = 2
@@ -209,6 +211,7 @@ def run_demo(
         say(f"time-sliced: {len(WORKLOAD)} jobs on {GPUS} simulated GPUs of {GPU_MEMORY // MiB} MiB ...")
         sliced = _run(WORKLOAD, scale, daemon, concurrent=True)
         report: dict[str, Any] = {"timesliced": sliced, "data_errors": sliced["data_errors"]}
+        report["link"] = link_figures(DEFAULT_BANDWIDTH)  # the demo's daemon runs the default model
         if serial:
             say("serial: the same jobs one after another ...")
             alone = _run(WORKLOAD, scale, daemon, concurrent=False)
@@ -244,6 +247,8 @@ def format_report(report: dict[str, Any]) -> str:
             )
     if "speedup" in report:
         lines += ["", f"speedup over serial: {report['speedup']:.2f}x (serial makespan / time-sliced makespan)"]
+    if "link" in report:
+        lines.append(describe_link(report["link"]))
     lines.append(f"data errors: {report['data_errors']}")
     return "\n".join(lines)
 

@@ -74,6 +74,7 @@ from ..client.sync import Client, daemon_status
 from ..config import DaemonConfig
 from ..util.stats import percentile
 from .common import DaemonProcess, double_grants, read_grants
+from .copy import link_figures
 
 MiB = 1 << 20
 REGION_BYTES = MiB
@@ -455,6 +456,7 @@ def summarize(
         "release_p99_ms": percentile(release, 0.99),
         "switch_p50_ms": percentile(switch, 0.5),
         "switch_p99_ms": percentile(switch, 0.99),
+        **{f"link_{k}": v for k, v in link_figures(0.0).items()},  # the daemon runs unpaced (--bandwidth 0)
         "errors": sum(s["errors"] for s in reported),
         "data_errors": sum(s["data_errors"] for s in reported),
         "lost_grants": lost_fences(grants, after.fences) + sum(s["stuck"] for s in reported) + summaries.count(None),

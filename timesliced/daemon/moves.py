@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import errors
-from ..backends.base import JobTarget, MoveResult
+from ..backends.base import JobTarget, MoveResult, SwapResult
 from ..cluster.effects import RunMove
 from ..core.history import History
 from ..metrics import Metrics
@@ -57,54 +57,108 @@ class Mover:
     async def run(self, effect: RunMove, target: Callable[[str], JobTarget], finished: Finished) -> None:
         """This node's part of ``effect``; ``finished`` is told how it went, exactly once."""
         kind = effect.kind
-        result: MoveResult | None = None
         try:
             job = target(effect.job)
             backend = self.parking.backend(job.park.method)
             if kind == "reclaim":
                 await self._reclaim(job, backend)  # a reclaim that fails is logged there
-            else:
-                operation = backend.snapshot if kind == "snapshot" else backend.restore
-                self.crash.move_starting(kind, asyncio.get_running_loop())
-                async with timeout(self.op_timeout):
-                    result = await operation(job)
-                self.crash.reached(f"after-{kind}")
+                finished(effect.key, True, 0, 0.0, "", False, "")
+                return
+            operation = backend.snapshot if kind == "snapshot" else backend.restore
+            self.crash.move_starting(kind, asyncio.get_running_loop())
+            async with timeout(self.op_timeout):
+                result = await operation(job)
+            self.crash.reached(f"after-{kind}")
         except Exception as exc:  # a failed move never takes the daemon down
-            timed_out = isinstance(exc, TimeoutError)
-            if timed_out:
-                reason = f"timed out after {self.op_timeout:g} s"
-            elif isinstance(exc, errors.TimeslicedError):
-                reason = exc.message  # it says what happened; its class is in ``code``
+            self._failed(effect, exc, finished)
+            return
+        self._done(effect, backend.name, result, finished)
+
+    async def swap(
+        self,
+        park: RunMove,
+        restore: RunMove,
+        target: Callable[[str], JobTarget],
+        finished: Finished,
+    ) -> None:
+        """Park ``park.job`` and restore ``restore.job`` together: streamed where their backend can, else in turn.
+
+        Both jobs must be parked by the same method for a streamed swap (``Swapper.swap``: both
+        directions of the host link at once, the restore taking the room the park frees); otherwise,
+        or where the backend has no ``swap``, the snapshot runs and then the restore, each as
+        ``run`` would run it. The whole swap is bounded by one ``--op-timeout``. ``finished`` is
+        told how each of the two moves went, exactly once each, the park first.
+        """
+        if park.kind != "snapshot" or restore.kind != "restore":
+            raise ValueError(f"a swap is a snapshot and a restore, not a {park.kind} and a {restore.kind}")
+        try:
+            out, in_ = target(park.job), target(restore.job)
+            backend = self.parking.backend(out.park.method)
+            swap: Any = getattr(backend, "swap", None)  # optional: ``backends.base.Swapper``
+            streams = out.park.method == in_.park.method and callable(swap)
+        except Exception as exc:
+            self._failed(park, exc, finished)
+            self._failed(restore, exc, finished)
+            return
+        if not streams:
+            await self.run(park, target, finished)
+            await self.run(restore, target, finished)
+            return
+        try:
+            self.crash.move_starting("snapshot", asyncio.get_running_loop())
+            async with timeout(self.op_timeout):
+                outcome: SwapResult = await swap(out, in_)
+            self.crash.reached("after-snapshot")
+            self.crash.reached("after-restore")
+        except Exception as exc:  # cut short (a timeout) or not started: each move hears why
+            self._failed(park, exc, finished)
+            self._failed(restore, exc, finished)
+            return
+        for effect, half, other in ((park, outcome.park, restore.job), (restore, outcome.restore, park.job)):
+            if isinstance(half, Exception):
+                self._failed(effect, half, finished)
             else:
-                reason = f"{exc.__class__.__name__}: {exc}"
-            intact = not timed_out and errors.state_intact(exc)
-            code = exc.code if isinstance(exc, errors.TimeslicedError) else ""
-            log.error(
-                "%s of job %r failed (%s): %s",
-                kind,
-                effect.job,
-                "its state is intact where it was" if intact else "its state is damaged or unknown",
-                reason,
-            )
-            finished(effect.key, False, 0, 0.0, reason, intact, code)
-            return
-        if result is None:  # the reclaim
-            finished(effect.key, True, 0, 0.0, "", False, "")
-            return
+                self._done(effect, backend.name, half, finished, swap_with=other)
+
+    def _failed(self, effect: RunMove, exc: Exception, finished: Finished) -> None:
+        timed_out = isinstance(exc, TimeoutError)
+        if timed_out:
+            reason = f"timed out after {self.op_timeout:g} s"
+        elif isinstance(exc, errors.TimeslicedError):
+            reason = exc.message  # it says what happened; its class is in ``code``
+        else:
+            reason = f"{exc.__class__.__name__}: {exc}"
+        intact = not timed_out and errors.state_intact(exc)
+        code = exc.code if isinstance(exc, errors.TimeslicedError) else ""
+        log.error(
+            "%s of job %r failed (%s): %s",
+            effect.kind,
+            effect.job,
+            "its state is intact where it was" if intact else "its state is damaged or unknown",
+            reason,
+        )
+        finished(effect.key, False, 0, 0.0, reason, intact, code)
+
+    def _done(
+        self, effect: RunMove, method: str, result: MoveResult, finished: Finished, *, swap_with: str | None = None
+    ) -> None:
+        kind = effect.kind
         log.info(
-            "%s of job %r with %s: %d bytes in %.3fs (%.1f GB/s)",
+            "%s of job %r with %s%s: %d bytes in %.3fs (%.1f GB/s %s)",
             kind,
             effect.job,
-            backend.name,
+            method,
+            f", swapped with {swap_with!r}" if swap_with else "",
             result.nbytes,
             result.seconds,
             result.gbps,
+            "to the host" if kind == "snapshot" else "to the device",
         )
         try:
             if result.footprint:
                 self.jobs.measured[effect.job] = dict(result.footprint)
-            self.log.record(effect.job, kind, result.nbytes, result.seconds, self.clock())
-            self.metrics.observe_move(kind, backend.name, result.nbytes, result.seconds)
+            self.log.record(effect.job, kind, result.nbytes, result.seconds, self.clock(), swap_with=swap_with)
+            self.metrics.observe_move(kind, method, result.nbytes, result.seconds)
         except Exception:  # figures are not worth a lost move: the core must hear of it
             log.exception("recording the %s of job %r failed", kind, effect.job)
         finished(effect.key, True, result.nbytes, result.seconds, "", False, "")

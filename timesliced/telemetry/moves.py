@@ -14,6 +14,11 @@ class MoveKind(enum.Enum):
     SNAPSHOT = "snapshot"
     RESTORE = "restore"
 
+    @property
+    def direction(self) -> str:
+        """Which way over the host link the move copies: a snapshot to the host, a restore to the device."""
+        return "to_host" if self is MoveKind.SNAPSHOT else "to_device"
+
 
 @dataclass(frozen=True)
 class MoveRecord:
@@ -24,6 +29,7 @@ class MoveRecord:
     kind: MoveKind
     nbytes: int
     seconds: float
+    swap_with: str | None = None  # the job moved the other way at the same time (a swap)
 
     @property
     def gbps(self) -> float:
@@ -38,6 +44,8 @@ class MoveRecord:
             "nbytes": self.nbytes,
             "seconds": self.seconds,
             "gbps": self.gbps,
+            "direction": self.kind.direction,
+            "swap_with": self.swap_with,
         }
 
 
@@ -47,7 +55,9 @@ class JobMoves:
 
     Counts and totals cover every move recorded since the job was first seen;
     ``median_gbps`` covers the moves still in the log that moved bytes in
-    measurable time (None when there are none).
+    measurable time (None when there are none), and so do the medians of
+    each direction: ``median_to_host_gbps`` of the snapshots, ``median_to_device_gbps``
+    of the restores.
     """
 
     count: int
@@ -56,6 +66,8 @@ class JobMoves:
     nbytes: int
     seconds: float
     median_gbps: float | None
+    median_to_host_gbps: float | None = None
+    median_to_device_gbps: float | None = None
 
     def to_dict(self) -> status.JobMoves:
         return {
@@ -65,6 +77,8 @@ class JobMoves:
             "nbytes": self.nbytes,
             "seconds": self.seconds,
             "median_gbps": self.median_gbps,
+            "median_to_host_gbps": self.median_to_host_gbps,
+            "median_to_device_gbps": self.median_to_device_gbps,
         }
 
 
@@ -87,12 +101,18 @@ class MoveLog:
         self._totals: OrderedDict[str, _Totals] = OrderedDict()  # least recently moved first
         self._max_jobs = max_jobs
 
-    def record(self, job: str, kind: MoveKind | str, nbytes: int, seconds: float, now: float) -> MoveRecord:
-        """Log that ``kind`` ("snapshot" / "restore") of ``job`` moved ``nbytes`` in ``seconds``, ending at ``now``."""
+    def record(
+        self, job: str, kind: MoveKind | str, nbytes: int, seconds: float, now: float, *, swap_with: str | None = None
+    ) -> MoveRecord:
+        """Log that ``kind`` ("snapshot" / "restore") of ``job`` moved ``nbytes`` in ``seconds``, ending at ``now``.
+
+        ``swap_with``: the job that moved the other way at the same time, when the move was one
+        direction of a swap.
+        """
         kind = MoveKind(kind)
         if nbytes < 0 or seconds < 0:
             raise ValueError(f"nbytes and seconds must be >= 0, not {nbytes} and {seconds}")
-        rec = MoveRecord(now, job, kind, int(nbytes), float(seconds))
+        rec = MoveRecord(now, job, kind, int(nbytes), float(seconds), swap_with)
         self._records.append(rec)
         totals = self._totals.pop(job, None) or _Totals()
         totals.count += 1
@@ -125,8 +145,21 @@ class MoveLog:
         totals = self._totals.get(job)
         if totals is None:
             return None
-        rates = sorted(r.gbps for r in self._records if r.job == job and r.nbytes > 0 and r.seconds > 0)
-        return JobMoves(totals.count, totals.snapshots, totals.restores, totals.nbytes, totals.seconds, median(rates))
+        timed = [r for r in self._records if r.job == job and r.nbytes > 0 and r.seconds > 0]
+
+        def rates(kinds: tuple[MoveKind, ...]) -> float | None:
+            return median(sorted(r.gbps for r in timed if r.kind in kinds))
+
+        return JobMoves(
+            totals.count,
+            totals.snapshots,
+            totals.restores,
+            totals.nbytes,
+            totals.seconds,
+            rates((MoveKind.SNAPSHOT, MoveKind.RESTORE)),
+            rates((MoveKind.SNAPSHOT,)),
+            rates((MoveKind.RESTORE,)),
+        )
 
     def summaries(self) -> dict[str, JobMoves]:
         out = {}

@@ -260,6 +260,8 @@ class MoveEntry(TypedDict):
     nbytes: int
     seconds: float
     gbps: float
+    direction: str  # to_host (a snapshot) | to_device (a restore)
+    swap_with: str | None  # the job moved the other way at the same time (a swap), else None
 
 
 class Move(MoveEntry):
@@ -273,6 +275,8 @@ class JobMoves(TypedDict):
     nbytes: int
     seconds: float
     median_gbps: float | None
+    median_to_host_gbps: float | None  # of the snapshots still in the log
+    median_to_device_gbps: float | None  # of the restores still in the log
 
 
 class MovesLog(TypedDict):

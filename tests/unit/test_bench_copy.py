@@ -1,0 +1,24 @@
+"""`timesliced bench copy`: figures in the shape the CLI prints; the model line warns when it cannot be met."""
+
+from __future__ import annotations
+
+from timesliced.bench.copy import describe_link, format_copy, run_copy
+
+
+def test_bench_copy_reports_the_ceiling_and_each_move_against_its_model() -> None:
+    result = run_copy(bandwidths=[1.0], sizes=(1,), reps=1, mib=4)
+    assert set(result["ceiling"]) == {"warm_gbps", "fresh_mmap_gbps", "fresh_write_gbps", "prefaulted_gbps"}
+    assert all(v > 0 for v in result["ceiling"].values())
+    rows = {r["kind"]: r for r in result["sim"]}
+    assert set(rows) == {"snapshot", "restore", "swap"}
+    for r in rows.values():
+        assert r["model_gbps"] == 1.0 and r["mib"] == 1 and r["model_s"] == (1 << 20) / 1e9
+        assert r["took_s"] > 0 and r["ratio"] == r["model_s"] / r["took_s"]
+    text = format_copy(result)
+    assert "copy ceiling on this machine: warm" in text and len(text.splitlines()) == 2 + 3
+
+
+def test_the_link_line_says_when_the_model_outruns_the_machine() -> None:
+    assert "faster than this machine copies" in describe_link({"model_gbps": 25.0, "copy_ceiling_gbps": 10.0})
+    assert "faster" not in describe_link({"model_gbps": 2.0, "copy_ceiling_gbps": 10.0})
+    assert "(unpaced)" in describe_link({"model_gbps": 0.0, "copy_ceiling_gbps": 10.0})

@@ -1,0 +1,199 @@
+"""The sim backend's swap: a park and a restore streamed at once, the restore taking the pages the park frees."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from timesliced import errors
+from timesliced.backends import sim
+from timesliced.backends.base import MoveResult
+from timesliced.backends.sim import SimBackend
+from timesliced.sim import layout
+from timesliced.sim.layout import RegionInfo, job_key
+from timesliced.sim.region import SimRegion
+from timesliced.util.compat import timeout
+
+from ..helpers.sims import PAGE, Sims
+
+# A chunk that is not a whole number of pages, so that hand-overs lag the bytes written.
+CHUNK = 3 * PAGE + 4096
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sim, "_CHUNK", CHUNK)
+
+
+def fill(sims: Sims, info: RegionInfo, seed: int) -> bytes:
+    data = random.Random(seed).randbytes(info.nbytes)
+    sims.open(info).write(data)
+    return data
+
+
+def full_gpu(sims: Sims, **settings: Any) -> tuple[SimBackend, dict[str, list[tuple[RegionInfo, bytes]]]]:
+    """gpu 0 (32 pages) holds "a" (20 pages, resident); "b" (24 pages there, 3 on gpu 1) is parked.
+
+    ``b`` cannot come back before ``a`` leaves: only 12 pages of gpu 0 are free.
+    """
+    b = sims.backend(**settings)
+    jobs: dict[str, list[tuple[RegionInfo, bytes]]] = {"a": [], "b": []}
+    for gpu, nbytes in ((0, 16 * PAGE - 5), (1, 3 * PAGE), (0, 8 * PAGE)):
+        info = b.alloc("b", gpu, nbytes)
+        jobs["b"].append((info, fill(sims, info, info.region)))
+    asyncio.run(b.snapshot("b"))
+    for nbytes in (12 * PAGE + 7, 8 * PAGE):
+        info = b.alloc("a", 0, nbytes)
+        jobs["a"].append((info, fill(sims, info, 100 + info.region)))
+    return b, jobs
+
+
+def holds(job: list[tuple[RegionInfo, bytes]]) -> bool:
+    """The job's regions read back the bytes written into them (open afresh: the pages may have moved)."""
+    for info, data in job:
+        with SimRegion.open(info) as region:
+            if region.read() != data:
+                return False
+    return True
+
+
+def test_swap_streams_a_job_into_the_room_another_frees(sims: Sims) -> None:
+    b, jobs = full_gpu(sims)
+    with pytest.raises(errors.RestoreRefused):  # alone, the incoming job does not fit
+        asyncio.run(b.restore("b"))
+
+    result = asyncio.run(b.swap("a", "b"))
+    assert isinstance(result.park, MoveResult) and isinstance(result.restore, MoveResult)
+    assert result.park.nbytes == 20 * PAGE + 7 and result.restore.nbytes == 27 * PAGE - 5
+    assert result.to_host_gbps is not None and result.to_device_gbps is not None
+    assert b.job_state("a") == "parked" and b.job_state("b") == "resident" and holds(jobs["b"])
+    assert b.free_bytes(0) == 8 * PAGE and b.free_bytes(1) == 29 * PAGE
+    assert not (b.root / "parked" / job_key("b")).exists()
+
+    back = asyncio.run(b.swap("b", "a"))  # and the other way
+    assert isinstance(back.park, MoveResult) and isinstance(back.restore, MoveResult)
+    assert b.job_state("a") == "resident" and b.job_state("b") == "parked" and holds(jobs["a"])
+
+
+def test_swap_that_cannot_fit_moves_nothing(sims: Sims) -> None:
+    b, jobs = full_gpu(sims)
+    big = b.alloc("c", 1, 30 * PAGE)  # gpu 1 is now too full for b's 3 pages there
+    with pytest.raises(errors.RestoreRefused, match="both jobs stay where they are") as caught:
+        asyncio.run(b.swap("a", "b"))
+    assert errors.state_intact(caught.value)
+    assert b.job_state("a") == "resident" and b.job_state("b") == "parked" and holds(jobs["a"])
+    b.free("c", big.region)
+    assert isinstance(asyncio.run(b.swap("a", "b")).restore, MoveResult) and holds(jobs["b"])
+
+
+def test_swap_of_jobs_not_in_place_moves_each_half_alone(sims: Sims) -> None:
+    b, jobs = full_gpu(sims)
+    with pytest.raises(ValueError, match="two jobs"):
+        asyncio.run(b.swap("a", "a"))
+    asyncio.run(b.snapshot("a"))
+    result = asyncio.run(b.swap("a", "b"))  # "a" is parked already: only the restore moves
+    assert result.park == MoveResult(0, 0.0) and isinstance(result.restore, MoveResult)
+    assert holds(jobs["b"])
+    result = asyncio.run(b.swap("b", "nobody"))
+    assert isinstance(result.park, MoveResult) and result.park.nbytes and result.restore == MoveResult(0, 0.0)
+
+
+def test_swap_with_a_damaged_incoming_copy_still_parks_the_outgoing_job(sims: Sims) -> None:
+    b, jobs = full_gpu(sims)
+    victim = b.root / "parked" / job_key("b") / f"{jobs['b'][2][0].region}.bin"
+    os.truncate(victim, PAGE)
+    result = asyncio.run(b.swap("a", "b"))
+    assert isinstance(result.park, MoveResult) and b.job_state("a") == "parked"
+    assert isinstance(result.restore, errors.BackendError) and not errors.state_intact(result.restore)
+    assert b.job_state("b") == "parked" and b.free_bytes(0) == 32 * PAGE and b.free_bytes(1) == 32 * PAGE
+    assert isinstance(asyncio.run(b.swap("b", "a")).restore, MoveResult) and holds(jobs["a"])
+
+
+def test_swap_whose_park_finds_no_room_moves_nothing(sims: Sims, monkeypatch: pytest.MonkeyPatch) -> None:
+    b, jobs = full_gpu(sims)
+
+    def disk_full(*args: object) -> None:
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(sim, "_fallocate", disk_full)
+    with pytest.raises(errors.InsufficientHostMemory):
+        asyncio.run(b.swap("a", "b"))
+    assert b.job_state("a") == "resident" and b.job_state("b") == "parked" and holds(jobs["a"])
+
+
+def test_a_cancelled_swap_leaves_each_job_whole(sims: Sims) -> None:
+    # 20 pages of 64 KiB take about 0.26 s each way at 5 MB/s: cut it at a tenth of that
+    b, jobs = full_gpu(sims, bandwidth=5e6)
+
+    async def cut() -> None:
+        with pytest.raises(TimeoutError):
+            async with timeout(0.1):
+                await b.swap("a", "b")
+        await b.restore("nobody")  # let the worker thread wind up
+
+    asyncio.run(cut())
+    for _ in range(200):  # the worker ends the swap (rolls the park forward) in its thread
+        if b.job_state("a") != "resident" or b._jobs["a"].move is None:
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    b.bandwidth = 0
+    assert b.job_state("b") == "parked"
+    assert b.job_state("a") in ("resident", "parked")
+    asyncio.run(b.restore("a"))
+    assert holds(jobs["a"])
+    asyncio.run(b.swap("a", "b"))
+    assert holds(jobs["b"])
+
+
+def test_a_daemon_killed_at_any_instant_of_a_swap_leaves_each_job_whole(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Copy the whole sim root (what a killed daemon leaves on the tmpfs) at every step and every commit."""
+    b, jobs = full_gpu(sims)
+    crashes: list[Path] = []
+
+    def crash_copy() -> None:
+        dest = tmp_path / f"crash-{len(crashes)}"
+        shutil.copytree(b.root, dest)
+        crashes.append(dest)
+
+    sleep_until = sim._Swap._sleep_until
+    commit = layout.CtlWriter.commit
+
+    def at_step(self: sim._Swap, due: float) -> None:
+        crash_copy()
+        sleep_until(self, due)
+
+    def at_commit(self: layout.CtlWriter, slot: layout.SlotData) -> None:
+        crash_copy()
+        commit(self, slot)
+        crash_copy()
+
+    monkeypatch.setattr(sim._Swap, "_sleep_until", at_step)
+    monkeypatch.setattr(layout.CtlWriter, "commit", at_commit)
+    asyncio.run(b.swap("a", "b"))
+    monkeypatch.undo()
+    assert len(crashes) > 20  # many instants: chunks of both directions and their hand-overs
+    data = {job: {info.region: d for info, d in regions} for job, regions in jobs.items()}
+    handed_over = 0
+    for root in crashes:
+        _, slot, _ = layout.read_ctl(root / "jobs" / f"{job_key('a')}.ctl")
+        pages = sum(n for r in slot.regions for _, n in r.extents)
+        handed_over += slot.state == layout.PARKING and 0 < pages < 20
+        adopted = SimBackend(root, gpus=2, capacity=32 * PAGE, page_size=PAGE, bandwidth=0)
+        try:
+            states = {job: adopted.job_state(job) for job in jobs}
+            assert sorted(states.values()) in (["parked", "resident"], ["parked", "parked"]), (root.name, states)
+            for job, other in (("a", "b"), ("b", "a")):  # each in turn on the device: every byte is back
+                asyncio.run(adopted.snapshot(other))
+                asyncio.run(adopted.restore(job))
+                assert holds([(info, data[job][info.region]) for info in adopted.regions(job)]), (root.name, job)
+        finally:
+            adopted.close()
+    assert handed_over > 3  # copies caught the park part-way handed over: start-up finished those parks

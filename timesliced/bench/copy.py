@@ -1,0 +1,236 @@
+"""``timesliced bench copy``: what memory copies cost on this machine, and whether the sim follows its model.
+
+Figures, all measured in one run:
+
+- ``warm_gbps``: a copy between two buffers whose pages are already mapped (the machine's copy
+  ceiling; no simulated move can honour a model faster than this).
+- ``fresh_mmap_gbps`` / ``fresh_write_gbps``: a copy into a fresh tmpfs file, through a mapping
+  (every 4 KiB page faulted in by the copy) or through ``write(2)`` (the kernel allocates the pages).
+- ``prefaulted_gbps``: a copy into a tmpfs file whose pages were allocated (``fallocate``) and
+  mapped (``MAP_POPULATE``) beforehand.
+- ``sim``: for each model bandwidth and move size, the sim backend's snapshot, restore and swap:
+  the time the model gives, the time the move took, and ``ratio`` = achieved / model bandwidth
+  (1.0: the move took exactly the modelled time; under 1.0: slower than the model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..env import default_sim_dir
+
+MiB = 1 << 20
+SIZES_MIB = (1, 16, 256, 1024)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _best(reps: int, nbytes: int, once: Callable[[], Callable[[], None]]) -> float:
+    """GB/s of the fastest of ``reps`` runs; ``once`` sets up (untimed) and returns the timed part."""
+    best = float("inf")
+    for _ in range(reps):
+        go = once()
+        start = time.perf_counter()
+        go()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def _fresh_file(folder: Path, name: str, size: int) -> int:
+    path = folder / name
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    return fd
+
+
+def warm_ceiling(mib: int = 64, reps: int = 5) -> float:
+    """GB/s of a warm memory copy of ``mib`` MiB (best of ``reps``): the most any simulated move can honour."""
+    src = bytearray(os.urandom(MiB) * mib)
+    dst = bytearray(src)  # a copy: its pages are touched already
+    sv, dv = memoryview(src), memoryview(dst)
+
+    def once() -> Callable[[], None]:
+        def go() -> None:
+            dv[:] = sv
+
+        return go
+
+    return _best(reps, mib * MiB, once)
+
+
+def link_figures(model_bps: float) -> dict[str, float]:
+    """The sim's model bandwidth next to this machine's warm copy ceiling, for the benchmarks that time switches.
+
+    A model above the ceiling cannot be honoured: switches then take longer than the model says.
+    """
+    return {"model_gbps": model_bps / 1e9, "copy_ceiling_gbps": warm_ceiling()}
+
+
+def describe_link(figures: dict[str, float]) -> str:
+    model, ceiling = figures["model_gbps"], figures["copy_ceiling_gbps"]
+    line = (
+        f"sim link model {model:g} GB/s each way{' (unpaced)' if not model else ''}; "
+        f"this machine's warm copy ceiling {ceiling:.1f} GB/s"
+    )
+    if model > ceiling:
+        line += " (the model is faster than this machine copies: switches take longer than it says)"
+    return line
+
+
+def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, float]:
+    """Copy figures for ``mib`` MiB on ``folder`` (a tmpfs, to be meaningful); see the module docstring."""
+    n = mib * MiB
+    src = bytearray(os.urandom(MiB) * mib)
+    sv = memoryview(src)
+    dst = bytearray(n)  # zeroed by calloc, so not yet touched: touch it once
+    dst[:] = src
+    dv = memoryview(dst)
+    out: dict[str, float] = {}
+
+    def warm() -> Callable[[], None]:
+        def go() -> None:
+            dv[:] = sv
+
+        return go
+
+    out["warm_gbps"] = _best(reps, n, warm)
+    maps: list[mmap.mmap] = []
+
+    def fresh_mmap() -> Callable[[], None]:
+        fd = _fresh_file(folder, "fresh", n)
+        m = mmap.mmap(fd, n)
+        os.close(fd)
+        maps.append(m)
+
+        def go() -> None:
+            with memoryview(m) as mv:
+                mv[:] = sv
+
+        return go
+
+    out["fresh_mmap_gbps"] = _best(reps, n, fresh_mmap)
+
+    def fresh_write() -> Callable[[], None]:
+        fd = _fresh_file(folder, "fresh", 0)
+
+        def go() -> None:
+            view = sv
+            while view:
+                view = view[os.write(fd, view) :]
+            os.close(fd)
+
+        return go
+
+    out["fresh_write_gbps"] = _best(reps, n, fresh_write)
+
+    def prefaulted() -> Callable[[], None]:
+        fd = _fresh_file(folder, "fresh", 0)
+        os.posix_fallocate(fd, 0, n)
+        m = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | _POPULATE)
+        os.close(fd)
+        maps.append(m)
+
+        def go() -> None:
+            with memoryview(m) as mv:
+                mv[:] = sv
+
+        return go
+
+    out["prefaulted_gbps"] = _best(reps, n, prefaulted)
+    for m in maps:
+        m.close()
+    (folder / "fresh").unlink(missing_ok=True)
+    return out
+
+
+async def _sim_moves(root: Path, sizes: tuple[int, ...], bandwidth: float, reps: int) -> list[dict[str, Any]]:
+    from ..backends.sim import SimBackend
+    from ..sim.region import SimRegion
+
+    page = 2 * MiB
+    top = max(sizes) * MiB
+    capacity = 2 * -(-top // page) * page  # room for two jobs of the largest size: a swap needs both
+    backend = SimBackend(root, gpus=1, capacity=capacity, page_size=page, bandwidth=bandwidth)
+    rows: list[dict[str, Any]] = []
+    try:
+        for mib in sizes:
+            n = mib * MiB
+            pattern = os.urandom(MiB)
+            for job in ("a", "b"):
+                with SimRegion.open(backend.alloc(job, 0, n)) as region:
+                    region.fill(pattern)
+            await backend.snapshot("b")
+            times: dict[str, list[float]] = {"snapshot": [], "restore": [], "swap": []}
+            for _ in range(reps):
+                times["snapshot"].append((await backend.snapshot("a")).seconds)
+                times["restore"].append((await backend.restore("a")).seconds)
+                swap = getattr(backend, "swap", None)
+                if swap is not None:
+                    start = time.perf_counter()
+                    await swap("a", "b")
+                    await swap("b", "a")
+                    times["swap"].append((time.perf_counter() - start) / 2)
+            model = n / bandwidth if bandwidth else 0.0
+            for kind, seconds in times.items():
+                if not seconds:
+                    continue
+                took = sorted(seconds)[len(seconds) // 2]
+                row: dict[str, Any] = {
+                    "model_gbps": bandwidth / 1e9,
+                    "mib": mib,
+                    "kind": kind,
+                    "model_s": model,
+                    "took_s": took,
+                    "achieved_gbps": n / took / 1e9 if took > 0 else 0.0,
+                    "ratio": model / took if took > 0 and model else None,
+                }
+                rows.append(row)
+            await backend.reclaim("a")
+            await backend.reclaim("b")
+    finally:
+        await backend.aclose()
+    return rows
+
+
+def run_copy(
+    *, bandwidths: list[float] | None = None, sizes: tuple[int, ...] = SIZES_MIB, reps: int = 3, mib: int = 256
+) -> dict[str, Any]:
+    """Measure the copy ceiling, then the sim's moves at each model bandwidth (GB/s; default: a spread)."""
+    base = Path(tempfile.mkdtemp(prefix="timesliced-copy-", dir=default_sim_dir(Path(tempfile.gettempdir())).parent))
+    try:
+        ceiling = measure_ceiling(base, mib=mib, reps=reps)
+        warm = ceiling["warm_gbps"]
+        chosen = bandwidths or sorted({1.0, 2.0, round(warm * 0.5, 1), round(warm * 0.9, 1)})
+        sim: list[dict[str, Any]] = []
+        for gbps in chosen:
+            root = base / f"sim-{gbps:g}"
+            sim += asyncio.run(_sim_moves(root, sizes, gbps * 1e9, reps))
+            shutil.rmtree(root, ignore_errors=True)
+        return {"ceiling": ceiling, "sim": sim}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def format_copy(result: dict[str, Any]) -> str:
+    c = result["ceiling"]
+    lines = [
+        f"copy ceiling on this machine: warm {c['warm_gbps']:.2f} GB/s   into fresh tmpfs pages "
+        f"{c['fresh_mmap_gbps']:.2f} (mmap) / {c['fresh_write_gbps']:.2f} (write) GB/s   "
+        f"into pre-faulted tmpfs pages {c['prefaulted_gbps']:.2f} GB/s",
+        f"{'model GB/s':>10} {'MiB':>6} {'move':>9} {'model ms':>9} {'took ms':>9} {'GB/s':>7} {'ratio':>6}",
+    ]
+    for r in result["sim"]:
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        lines.append(
+            f"{r['model_gbps']:>10.1f} {r['mib']:>6} {r['kind']:>9} {r['model_s'] * 1e3:>9.1f} "
+            f"{r['took_s'] * 1e3:>9.1f} {r['achieved_gbps']:>7.2f} {ratio:>6}"
+        )
+    return "\n".join(lines)
