@@ -24,7 +24,7 @@ from .undo import Fields, Journal
 
 SWITCH = Fields("switch")
 OVERDUE = Fields("overdue_since")
-LAST_GRANTED = Fields("last_granted")
+LAST_GRANTED = Fields("last_granted", "placed")
 RESTORING = Fields("restoring")
 
 
@@ -278,6 +278,7 @@ class Arbiter:
         job = self._registry.jobs[waiter.job]
         self._journal.fields(job, LAST_GRANTED)
         job.last_granted = now
+        job.placed = True
         self._moves.granted(job)
         waited = now - waiter.enqueued_at
         self._figures.granted(group, job, waited, switch_s if switched else None)

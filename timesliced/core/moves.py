@@ -19,6 +19,7 @@ from .undo import Fields, Journal
 LOCATION = Fields("location")
 FOOTPRINT = Fields("footprint")
 NEXT_OP = Fields("next_op")
+PLACED = Fields("placed")
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,9 @@ class Moves:
 
     def _add(self, job: Job, kind: str, now: float) -> int:
         journal = self._journal
+        if kind == "restore" and not job.placed:
+            journal.fields(job, PLACED)
+            job.placed = True  # restored where a plan made room
         op = self.next_op
         journal.fields(self, NEXT_OP)
         journal.keep_key(self.in_flight, op)

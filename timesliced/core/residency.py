@@ -37,7 +37,7 @@ def over_declared(job: Job) -> dict[int, int]:
 
 
 def growth(job: Job, gpu: int) -> int:
-    """What measurement, not a placement of the scheduler, added to ``job``'s footprint on ``gpu``.
+    """What measurement or the job's own start, not a placement of the scheduler, put on ``gpu``.
 
     The core never places a job where its footprint does not fit; a resident job measured past its
     declaration may still push a GPU's sum over capacity (a fact the shell reports). The next
@@ -45,4 +45,6 @@ def growth(job: Job, gpu: int) -> int:
     """
     if not sized(job):
         return 0
+    if not job.placed:
+        return job.footprint.get(gpu, 0)  # it started resident by itself, before any plan of the scheduler's
     return max(0, job.footprint.get(gpu, 0) - job.declared.get(gpu, 0))
