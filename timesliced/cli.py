@@ -179,6 +179,26 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="host memory kept free of parked state (default: 5%% of the host's memory, 512MiB to 8GiB)",
     )
+    residency = p.add_argument_group("co-residency and prefetch")
+    residency.add_argument(
+        "--memory-headroom",
+        type=parse_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="device memory kept free on each GPU beside jobs that declared their memory: jobs whose footprints "
+        "plus this fit a GPU stay resident together (default: 1GiB, for CUDA contexts and allocator slack)",
+    )
+    residency.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="do not restore the next waiter beside the holder before its turn (it is restored at its grant)",
+    )
+    residency.add_argument(
+        "--park-every-handoff",
+        action="store_true",
+        help="every handoff with a waiter parks the outgoing job even when both fit: the behaviour of systems "
+        "without co-residency, for comparisons",
+    )
     slices = p.add_argument_group("leases and slices")
     slices.add_argument(
         "--max-slice",
@@ -242,6 +262,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         recovery_grace=args.recovery_grace,
         host_memory_limit=args.host_memory_limit,
         host_memory_margin=args.host_memory_margin,
+        memory_headroom=args.memory_headroom,
+        prefetch=not args.no_prefetch,
+        park_every_handoff=args.park_every_handoff,
     )
     try:
         config.slice_policies = dict(

@@ -310,7 +310,7 @@ def test_a_new_leaders_sync_is_answered_with_a_report_once_moves_are_done() -> N
     n = node()
     follow(n, "a", 2)
     registered(n, "a", 2)
-    n.receive("a", {"k": "move", "op": 7, "kind": "snapshot", "job": "A", "era": [2, 1]}, 0.4)
+    n.receive("a", {"k": "move", "op": 7, "kind": "snapshot", "job": "A", "era": [2, 1], "streams_with": []}, 0.4)
     (run,) = n.drain()
     # a new leader in term 3 asks for a report while the snapshot runs
     n.receive("c", {"k": "elect", "m": {"type": "heartbeat", "term": 3, "leader": "c", "sent_at": 0.0}}, 0.5)

@@ -82,7 +82,22 @@ SAMPLES: dict[str, PeerMessage] = {
     "resync": Resync(ERA),
     "report": Report(ERA, REPORT),
     "ready": Ready(ERA),
-    "req register": Req(ERA, 1, Register(4, 9, "job-a", "pool", (0, 1), (11,), True, {"session": 4, "park": "sim"})),
+    "req register": Req(
+        ERA,
+        1,
+        Register(
+            4,
+            9,
+            "job-a",
+            "pool",
+            (0, 1),
+            (11,),
+            True,
+            {"session": 4, "park": "sim"},
+            memory={0: 1024},
+            memory_each=2048,
+        ),
+    ),
     "req acquire": Req(ERA, 2, Acquire(4, 10, 30.0)),
     "req cancel": Req(ERA, 3, Cancel(4, 11, 10)),
     "req release": Req(ERA, 4, Release(4, 12)),
@@ -101,13 +116,22 @@ SAMPLES: dict[str, PeerMessage] = {
     "fail": Failed(ERA, 4, 10, WireError("job_faulted", "job 'job-a' is faulted")),
     "queued": Queued(ERA, 4, 10, 12),
     "notify": Notify(ERA, "job-a", "faulted", {"reason": "it broke", "until_resync": True}),
-    "move": Move(ERA, 17, "snapshot", "job-a"),
+    "move": Move(ERA, 17, "restore", "job-a", (15, 16)),
     "span": Span(ERA, "pool", (0, 101)),
     "alloc": Allotted(ERA, 4, 13, "job-a", 1, 64, 60),
 }
 PLAIN = {"result", "extra", "details", "data"}  # plain data: a peer passes it on to a client as it is
-KEYED = {"devices", "footprint", "fences", "pools", "members", "sizes", "source"}  # maps keyed by data, not names
-OPTIONAL = {"gpus", "timeout", "seq", "deadline_in", "limit"}  # fields that may be null
+KEYED = {
+    "devices",
+    "footprint",
+    "fences",
+    "pools",
+    "members",
+    "sizes",
+    "source",
+    "memory",
+}  # maps keyed by data, not names
+OPTIONAL = {"gpus", "timeout", "seq", "deadline_in", "limit", "memory", "memory_each"}  # fields that may be null
 
 
 def wire(message: PeerMessage) -> dict[str, Any]:

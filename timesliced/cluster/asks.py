@@ -46,6 +46,9 @@ class Register(Ask):
     exclusive: Annotated[bool, Flag()] = False
     extra: Annotated[dict[str, Any], Plain(map_only=True)] = field(default_factory=dict)
     freezes: Annotated[bool, Flag()] = True  # its parking method stops its GPU work first (core JobRegistered)
+    # the device memory it declares (core JobRegistered.memory / memory_each): per GPU, or for each of its GPUs
+    memory: Annotated[dict[int, int] | None, Optional(Map(GPU, BYTES))] = None
+    memory_each: Annotated[int | None, Optional(BYTES)] = None
 
 
 @dataclass(frozen=True)

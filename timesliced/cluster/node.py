@@ -43,6 +43,7 @@ from ..core.events import DrainRequested, FaultCleared, ForceReleaseRequested
 from ..core.ids import gpu_slot, local_gpu
 from ..core.location import Cause, Location, moved
 from ..core.model import AUTO
+from ..core.residency import Options
 from ..core.scheduler import Scheduler
 from ..core.slices import SlicePolicy
 from ..wire import status
@@ -161,6 +162,7 @@ class ClusterNode:
         op_timeout: float = 600.0,
         sync_timeout: float | None = None,
         policies: dict[str, SlicePolicy] | None = None,
+        residency: Options | None = None,
     ) -> None:
         members = tuple(sorted(members))
         if node_id not in members:
@@ -187,6 +189,7 @@ class ClusterNode:
             op_timeout=op_timeout,
             sync_timeout=sync_timeout if sync_timeout is not None else election_timeout[1],
             policies=dict(policies or {}),
+            residency=residency,
         )
         self.era: Era | None = None  # the era this node takes directions in
         self.leader: str | None = None  # who opened it
@@ -774,7 +777,8 @@ class ClusterNode:
         assert self.era is not None
         key = (*self.era, m.op)
         job = self.jobs.get(m.job)
-        run = RunMove(key, m.kind, m.job)
+        streams = tuple(k for op in m.streams_with if (k := (*self.era, op)) in self._moving)
+        run = RunMove(key, m.kind, m.job, streams)
         if m.kind == "reclaim":
             self._moving[key] = (m.kind, m.job)
             self._effects.append(run)

@@ -38,6 +38,7 @@ class JobRegistered:
     # declares nothing. A job with a declaration is planned by its footprint (the larger of this and its
     # measured peak) and may stay resident beside others; without one, an ``exclusive`` job has its GPUs to itself.
     memory: dict[int, int] | None = None
+    memory_each: int | None = None  # the same declaration for each of its GPUs on its node (with ``memory``'s on top)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,8 @@ class Registry:
             raise errors.BadRequest(f"job {ev.job!r} is already registered with another parking method")
         if not node_gpus:
             raise errors.UnknownDevice("this node has no GPUs")
-        self._check_memory(ev, job, here or gpus or node_gpus)
+        memory = declared_memory(ev, here or gpus or node_gpus)
+        self._check_memory(ev.job, memory, job, here or gpus or node_gpus)
         journal = self._journal
         if group is None:
             group = self.add_group(ev.group, gpus or node_gpus, now)
@@ -83,9 +84,9 @@ class Registry:
             group.gpus = tuple(sorted(group.gpus + (gpus or node_gpus)))
         if job is None:
             job = self.add_job(Job(ev.job, ev.group, exclusive=ev.exclusive, freezes=ev.freezes))
-        if ev.memory and any(job.declared.get(g) != n for g, n in ev.memory.items()):
+        if memory and any(job.declared.get(g) != n for g, n in memory.items()):
             journal.fields(job, DECLARED)
-            job.declared = {**job.declared, **{g: n for g, n in ev.memory.items() if n}}
+            job.declared = {**job.declared, **{g: n for g, n in memory.items() if n}}
             if job.exclusive:
                 journal.fields(job, FOOTPRINT)
                 job.footprint = planned(job.declared, job.peak)
@@ -97,34 +98,34 @@ class Registry:
         self.sessions[ev.session] = ev.job
         return {"job": job.name, "group": group.name, "gpus": list(group.gpus), "location": job.location.value}
 
-    def _check_memory(self, ev: JobRegistered, job: Job | None, gpus: tuple[int, ...]) -> None:
+    def _check_memory(self, name: str, memory: dict[int, int] | None, job: Job | None, gpus: tuple[int, ...]) -> None:
         """Raises ``BadRequest`` for a declaration of GPUs outside the job's, past a GPU's capacity,
         or that disagrees with what the job declared before."""
-        if ev.memory is None:
+        if memory is None:
             return
-        for gpu, n in sorted(ev.memory.items()):
+        for gpu, n in sorted(memory.items()):
             if gpu not in gpus:
                 raise errors.BadRequest(
-                    f"job {ev.job!r} declares memory on GPU {gpu}, which is not one of its GPUs {list(gpus)}; "
+                    f"job {name!r} declares memory on GPU {gpu}, which is not one of its GPUs {list(gpus)}; "
                     "declare memory only for the GPUs it registers"
                 )
             if n < 0 or n > self.capacities[gpu]:
                 raise errors.BadRequest(
-                    f"job {ev.job!r} declares {n} bytes on GPU {gpu}, which has {self.capacities[gpu]}; "
+                    f"job {name!r} declares {n} bytes on GPU {gpu}, which has {self.capacities[gpu]}; "
                     "declare at most the GPU's memory"
                 )
         if job is None:
             return
         if job.sessions and not job.declared:
             raise errors.BadRequest(
-                f"job {ev.job!r} is already registered without a memory declaration; register every "
+                f"job {name!r} is already registered without a memory declaration; register every "
                 "connection of a job with the same memory"
             )
-        clash = sorted(g for g, n in ev.memory.items() if g in job.declared and job.declared[g] != n)
+        clash = sorted(g for g, n in memory.items() if g in job.declared and job.declared[g] != n)
         if clash:
             raise errors.BadRequest(
-                f"job {ev.job!r} already declared {job.declared[clash[0]]} bytes on GPU {clash[0]}, not "
-                f"{ev.memory[clash[0]]}; register every connection of a job with the same memory"
+                f"job {name!r} already declared {job.declared[clash[0]]} bytes on GPU {clash[0]}, not "
+                f"{memory[clash[0]]}; register every connection of a job with the same memory"
             )
 
     def add_group(self, name: str, gpus: tuple[int, ...], now: float) -> Group:
@@ -167,3 +168,11 @@ class Registry:
         if any(j.group == name for j in self.jobs.values()):
             raise ValueError(f"group {name!r} still has jobs")
         return self._journal.delete(self.groups, name)
+
+
+def declared_memory(ev: JobRegistered, gpus: tuple[int, ...]) -> dict[int, int] | None:
+    """What ``ev`` declares per GPU, ``memory_each`` spread over ``gpus`` (``memory`` on top); None: nothing."""
+    if ev.memory is None and ev.memory_each is None:
+        return None
+    each = {gpu: ev.memory_each for gpu in gpus} if ev.memory_each is not None else {}
+    return {**each, **(ev.memory or {})}

@@ -9,7 +9,19 @@ GPU stay resident together and a handoff between them moves nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .model import Job
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the scheduler plans residency (see ``Scheduler``): headroom kept free beside declared jobs,
+    prefetch of the next waiter, streamed switches."""
+
+    memory_headroom: int = 0
+    prefetch: bool = True
+    stream_switches: bool = False
 
 
 def alone(job: Job) -> bool:

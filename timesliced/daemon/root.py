@@ -29,6 +29,7 @@ from ..config import DaemonConfig
 from ..core.election import Persist
 from ..core.events import DrainRequested, FaultCleared, ForceReleaseRequested
 from ..core.history import GroupView, History
+from ..core.residency import Options
 from ..metrics import Metrics
 from ..telemetry import MoveLog, SimGpuSource, Telemetry
 from ..util.compat import TaskGroup
@@ -84,6 +85,11 @@ class Daemon:
             max_waiters=config.max_waiters,
             op_timeout=config.op_timeout,
             policies=config.slice_policies,
+            residency=Options(
+                memory_headroom=config.memory_headroom,
+                prefetch=config.prefetch,
+                stream_switches=config.stream_switches,
+            ),
         )
         self.jobs = NodeJobs()
         self.journal = Journal(config.state_dir)
@@ -150,7 +156,9 @@ class Daemon:
             freed=lambda job, gpu, nbytes: self._step(self.cluster.freed, job, gpu, nbytes, self._now()),
             status=self.status,
             clock=self._now,
+            park_every_handoff=config.park_every_handoff,
         )
+        self._moves_running: dict[tuple[int, int, int], asyncio.Event] = {}  # key -> set once it ended
         self.web_url: str | None = None
         self._web: web.AppRunner | None = None
         self.started_loop = 0.0  # loop time at run()
@@ -433,7 +441,7 @@ class Daemon:
             if self._stopping.is_set():
                 log.debug("stopping: %r is not started", effect)
             else:
-                self._spawn(self.mover.run(effect, self._target, self._move_finished))
+                self._spawn(self._run_move(effect))
         elif isinstance(effect, Allocate):
             self._allocate(effect)
         elif isinstance(effect, RecordGrant):
@@ -472,6 +480,20 @@ class Daemon:
 
     def _target(self, job: str) -> JobTarget:
         return self.jobs.target(self.cluster, job)
+
+    async def _run_move(self, effect: RunMove) -> None:
+        """Carry out one move. A restore that streams into snapshots' room (``streams_with``) starts
+        once those snapshots ended: the sequential form of a streamed switch, the same outcome for
+        the scheduler (it counts the pair as one move either way)."""
+        done = self._moves_running.setdefault(effect.key, asyncio.Event())
+        try:
+            for key in effect.streams_with:
+                if (before := self._moves_running.get(key)) is not None:
+                    await before.wait()  # bounded: each snapshot ends within --op-timeout
+            await self.mover.run(effect, self._target, self._move_finished)
+        finally:
+            done.set()
+            self._moves_running.pop(effect.key, None)
 
     def _move_finished(
         self, key: tuple[int, int, int], ok: bool, nbytes: int, seconds: float, error: str, intact: bool, code: str
