@@ -499,9 +499,16 @@ def format_status(status: dict[str, Any]) -> str:
         fault = f"  FAULTED: {j['faulted']}" if j["faulted"] else ""
         refused = f"  park refused: {j['park_refused']}" if j.get("park_refused") else ""
         parked = f"  parked={_size(j['parked_bytes'])}" if j.get("parked_bytes") else ""
+        declared = (
+            "  declared=" + ",".join(f"gpu{g}:{_size(n)}" for g, n in j["declared"].items())
+            if j.get("declared")
+            else ""
+        )
+        over = f"  OVER DECLARED by {_size(j['over_declared_bytes'])}" if j.get("over_declared_bytes") else ""
         lines.append(
             f"  {j['job']}  group={j['group']}  park={j.get('park')}  state={j['location']}  slices={j['slices']}  "
-            f"restores={j['restores']}  gpu-s={j['gpu_seconds']:.1f}  pids={j['pids']}{parked}{fault}{refused}"
+            f"restores={j['restores']}  gpu-s={j['gpu_seconds']:.1f}  pids={j['pids']}{parked}{declared}{over}"
+            f"{fault}{refused}"
         )
     if not status["jobs"]:
         lines.append("  (none)")

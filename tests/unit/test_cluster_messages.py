@@ -21,6 +21,7 @@ from timesliced.cluster.asks import (
     Freed,
     Gone,
     HostRead,
+    Measured,
     MoveDone,
     Register,
     Registered,
@@ -106,6 +107,7 @@ SAMPLES: dict[str, PeerMessage] = {
     "note freed": Note(ERA, Freed("job-a", 1, 64)),
     "note gone": Note(ERA, Gone("job-a")),
     "note move_done": Note(ERA, MoveDone(17, False, 64, 0.5, "it broke", True, "insufficient_host_memory")),
+    "note measured": Note(ERA, Measured("job-a", {0: 4096, 1: 2048})),
     "note host_read": Note(
         ERA, HostRead(-5, 300, {"cgroup:/a": 70}, {"job-a": ("cgroup:/a",)}, {"job-a": 64}, {"host": "MemAvailable"})
     ),

@@ -147,8 +147,17 @@ class HostRead(Ask):
     source: Annotated[dict[str, str], Map(Text(), Text())] = field(default_factory=dict)
 
 
-Notice = Closed | Freed | Gone | MoveDone | HostRead
-NOTICES: dict[str, type[Notice]] = {cls.OP: cls for cls in (Closed, Freed, Gone, MoveDone, HostRead)}
+@dataclass(frozen=True)
+class Measured(Ask):
+    """The device memory ``job`` was seen to hold on the node's GPUs (core ``MemoryMeasured``), sent when it grew."""
+
+    OP = "measured"
+    job: Annotated[str, NAME]
+    held: Annotated[dict[int, int], Map(GPU, BYTES)]  # GPU -> bytes
+
+
+Notice = Closed | Freed | Gone | MoveDone | HostRead | Measured
+NOTICES: dict[str, type[Notice]] = {cls.OP: cls for cls in (Closed, Freed, Gone, MoveDone, HostRead, Measured)}
 
 
 # --- answers ------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from .asks import (
     Freed,
     Gone,
     HostRead,
+    Measured,
     MoveDone,
     Notice,
     Register,
@@ -408,6 +409,12 @@ class ClusterNode:
                 local.footprint.pop(gpu, None)
         self._note(notice)
         self._pump(now)
+
+    def measured(self, job: str, gpus: dict[int, int], now: float) -> None:
+        """``job`` was seen to hold ``gpus`` (local GPU -> bytes), more than before: the leader keeps its peak."""
+        if job in self.jobs:
+            self._note(Measured(job, dict(gpus)))
+            self._pump(now)
 
     def gone(self, job: str, now: float) -> None:
         """No process of ``job`` is alive on this node and none is connected."""

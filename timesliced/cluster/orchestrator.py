@@ -41,6 +41,7 @@ from ..core.events import (
     HostMemoryRead,
     JobExited,
     JobRegistered,
+    MemoryMeasured,
     MemoryReleased,
     MemoryRequested,
     MoveFinished,
@@ -67,6 +68,7 @@ from .asks import (
     Freed,
     Gone,
     HostRead,
+    Measured,
     MoveDone,
     Notice,
     Register,
@@ -231,6 +233,9 @@ class Orchestrator:
                 case MoveDone():
                     self._fanout_done(slot, ask, now)
                     return None
+                case Measured():
+                    gpus = {_gpu(slot, g): n for g, n in ask.held.items()}
+                    return self._feed(MemoryMeasured(ask.job, gpus), now)
                 case HostRead():
                     reading = HostMemoryRead(
                         slot, ask.room, ask.limit, dict(ask.pools), dict(ask.members), dict(ask.sizes), dict(ask.source)

@@ -158,6 +158,7 @@ class Daemon:
             clock=self._now,
             park_every_handoff=config.park_every_handoff,
         )
+        self._device_peaks: dict[str, dict[int, int]] = {}  # job -> the most device memory last told the scheduler
         self._moves_running: dict[tuple[int, int, int], asyncio.Event] = {}  # key -> set once it ended
         self.web_url: str | None = None
         self._web: web.AppRunner | None = None
@@ -211,6 +212,7 @@ class Daemon:
                 self._tasks = tasks
                 self._spawn(self._watch_processes())
                 self._spawn(self._watch_host())
+                self._spawn(self._watch_device_memory())
                 if self.config.lease:
                     self._spawn(self._watch_leases())
                 self._spawn(self.telemetry.run())
@@ -556,6 +558,47 @@ class Daemon:
             if spec.method == "sim" or (spec.method in ENGINES and spec.level == 2):
                 size = 0
             out.append(JobPlace(name, spec.method, target.pids, size))
+        return out
+
+    async def _watch_device_memory(self) -> None:
+        """Each second, tell the scheduler how much device memory this node's real jobs hold, when it grew.
+
+        Per GPU, the larger of NVML's per-process figures summed over the job's processes and what its
+        last move measured (offload registrations, an engine's figures). The scheduler keeps the peak and
+        plans jobs that declared their memory with it; a simulated job's memory is its own count already.
+        """
+        while True:
+            await asyncio.sleep(self.config.telemetry_interval)
+            for job, gpus in self._device_memory().items():
+                seen = self._device_peaks.setdefault(job, {})
+                grown = {g: n for g, n in gpus.items() if n > seen.get(g, 0)}
+                if grown:
+                    seen.update(grown)
+                    self._step(self.cluster.measured, job, dict(seen), self._now())
+            for gone in self._device_peaks.keys() - self.cluster.jobs.keys():
+                del self._device_peaks[gone]
+
+    def _device_memory(self) -> dict[str, dict[int, int]]:
+        per_pid: dict[int, dict[int, int]] = {}
+        nvml = self.parking.nvml
+        if nvml is not None:
+            try:
+                per_pid = nvml.process_memory()  # pid -> {gpu -> bytes}; raises BackendError / BackendUnavailable
+            except errors.TimeslicedError as exc:
+                log.debug("device memory: no process figures from NVML: %s", exc.message)
+        out: dict[str, dict[int, int]] = {}
+        for name, local in self.cluster.jobs.items():
+            spec = self.jobs.park.get(name)
+            if spec is None or spec.method == "sim" or local.gone:
+                continue
+            seen: dict[int, int] = {}
+            for pid in self.jobs.target(self.cluster, name).pids:
+                for gpu, n in per_pid.get(pid, {}).items():
+                    seen[gpu] = seen.get(gpu, 0) + n
+            moved = self.jobs.measured.get(name, {})
+            gpus = {g: max(seen.get(g, 0), moved.get(g, 0)) for g in seen.keys() | moved.keys()}
+            if any(gpus.values()):
+                out[name] = gpus
         return out
 
     async def _watch_host(self) -> None:
