@@ -126,6 +126,7 @@ PLAIN = {"result", "extra", "details", "data"}  # plain data: a peer passes it o
 KEYED = {
     "devices",
     "footprint",
+    "held",
     "fences",
     "pools",
     "members",
