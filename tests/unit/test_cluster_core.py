@@ -30,6 +30,8 @@ def job(name: str, group: str, location: str, footprint: dict[str, int], span: l
         "span": span,
         "gone": kw.get("gone", False),
         "freezes": kw.get("freezes", True),
+        "memory": kw.get("memory"),
+        "memory_each": kw.get("memory_each"),
     }
 
 
@@ -68,6 +70,21 @@ def done(orch: Orchestrator, slot: int, op: int, nbytes: int = 60, now: float = 
 
 
 # --- rebuild ------------------------------------------------------------------------------
+
+
+def test_rebuild_keeps_what_each_node_declared_for_its_jobs() -> None:
+    span = [0, 100]
+    a = {**job("A", "g", "parked", {}, span), "exclusive": True}
+    reports = {
+        0: report([{**a, "memory": {"0": 30}}], [(1, "A")]),
+        1: report([{**a, "memory_each": 20}], [(1, "A")]),
+    }
+    orch, problems = Orchestrator.rebuild(ERA, reports_of(reports), [], NOW)
+    assert problems == []
+    jobs = orch.scheduler.jobs
+    assert jobs["A"].declared == {0: 30, 100: 20}  # node 1's GPU 0 is GPU 100 cluster-wide
+    assert jobs["A"].footprint == {0: 30, 100: 20}  # planned with it: a parked job is restored into that room
+    orch.scheduler.check_invariants()
 
 
 def test_rebuild_keeps_the_holder_its_fence_and_the_queue_in_the_old_order() -> None:

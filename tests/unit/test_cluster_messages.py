@@ -65,7 +65,11 @@ ERA = (3, 2)
 REPORT = NodeReport(
     devices={0: 100, 1: 80},
     sessions=(ReportedSession(4, "job-a", (11, 12)),),
-    jobs=(ReportedJob("job-a", "pool", True, Location.PARKED, {0: 60}, "it broke", (0, 101), True),),
+    jobs=(
+        ReportedJob(
+            "job-a", "pool", True, Location.PARKED, {0: 60}, "it broke", (0, 101), True, memory={0: 64}, memory_each=32
+        ),
+    ),
     holders=(ReportedHolder("pool", "job-a", 7, (4, 5)),),
     waiting=(ReportedWait(4, 9, 12, 3, 2.5),),
     fences={"pool": 7},

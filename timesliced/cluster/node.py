@@ -115,6 +115,8 @@ class LocalJob:
     sessions: set[int] = field(default_factory=set)
     pids: set[int] = field(default_factory=set)
     freezes: bool = True  # its parking method stops its GPU work first (core JobRegistered.freezes)
+    memory: dict[int, int] | None = None  # local GPU -> declared bytes (core JobRegistered.memory), for reports
+    memory_each: int | None = None  # declared for each of its GPUs here (core JobRegistered.memory_each)
 
 
 @dataclass
@@ -619,6 +621,8 @@ class ClusterNode:
         """The job, as this node knows it from now on (the leader registered it)."""
         job = self.jobs.setdefault(ask.job, LocalJob(ask.job, ask.group, ask.exclusive, (), freezes=ask.freezes))
         job.span = result.gpus
+        if ask.memory is not None or ask.memory_each is not None:
+            job.memory, job.memory_each = ask.memory, ask.memory_each
         job.sessions.add(ask.conn)
         job.pids.update(ask.pids)
         job.gone = False
@@ -668,6 +672,8 @@ class ClusterNode:
                     tuple(j.span),
                     j.gone,
                     j.freezes,
+                    j.memory,
+                    j.memory_each,
                 )
                 for j in self.jobs.values()
             ),
