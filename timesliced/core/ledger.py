@@ -345,6 +345,8 @@ class MemoryLedger:
         left = job.footprint.get(ev.gpu, 0) - ev.nbytes
         if left < 0:
             raise ValueError(f"job {ev.job!r} frees more on GPU {ev.gpu} than it holds")
+        if sized(job):
+            left = max(left, planned(job.declared, job.peak).get(ev.gpu, 0))  # never below what it declared
         self._journal.keep_dict(job.footprint)
         if left:
             job.footprint[ev.gpu] = left
@@ -370,8 +372,12 @@ class MemoryLedger:
         self._journal.fields(job, PEAK)
         job.peak = {**job.peak, **{g: n for g, n in gpus.items() if n > job.peak.get(g, 0)}}
         if sized(job):
+            # A declared job counts at least its declaration and its peak; what it allocated stays counted too.
+            floor = planned(job.declared, job.peak)
             self._journal.fields(job, FOOTPRINT)
-            job.footprint = planned(job.declared, job.peak)
+            job.footprint = {g: max(job.footprint.get(g, 0), n) for g, n in floor.items()} | {
+                g: n for g, n in job.footprint.items() if g not in floor and n
+            }
 
     def on(self, gpus: Iterable[int]) -> dict[int, int]:
         """Capacities of ``gpus`` that the ledger knows."""
