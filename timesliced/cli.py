@@ -254,6 +254,26 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="host memory kept free of parked state (default: 5%% of the host's memory, 512MiB to 8GiB)",
     )
+    residency = p.add_argument_group("co-residency and prefetch")
+    residency.add_argument(
+        "--memory-headroom",
+        type=parse_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="device memory kept free on each GPU beside jobs that declared their memory: jobs whose footprints "
+        "plus this fit a GPU stay resident together (default: 1GiB, for CUDA contexts and allocator slack)",
+    )
+    residency.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="do not restore the next waiter beside the holder before its turn (it is restored at its grant)",
+    )
+    residency.add_argument(
+        "--park-every-handoff",
+        action="store_true",
+        help="every handoff with a waiter parks the outgoing job even when both fit: the behaviour of systems "
+        "without co-residency, for comparisons",
+    )
     slices = p.add_argument_group("leases and slices")
     slices.add_argument(
         "--max-slice",
@@ -317,6 +337,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         recovery_grace=args.recovery_grace,
         host_memory_limit=args.host_memory_limit,
         host_memory_margin=args.host_memory_margin,
+        memory_headroom=args.memory_headroom,
+        prefetch=not args.no_prefetch,
+        park_every_handoff=args.park_every_handoff,
     )
     try:
         config.slice_policies = dict(
@@ -656,9 +679,16 @@ def format_status(status: dict[str, Any]) -> str:
         fault = f"  FAULTED: {j['faulted']}" if j["faulted"] else ""
         refused = f"  park refused: {j['park_refused']}" if j.get("park_refused") else ""
         parked = f"  parked={_size(j['parked_bytes'])}" if j.get("parked_bytes") else ""
+        declared = (
+            "  declared=" + ",".join(f"gpu{g}:{_size(n)}" for g, n in j["declared"].items())
+            if j.get("declared")
+            else ""
+        )
+        over = f"  OVER DECLARED by {_size(j['over_declared_bytes'])}" if j.get("over_declared_bytes") else ""
         lines.append(
             f"  {j['job']}  group={j['group']}  park={j.get('park')}  state={j['location']}  slices={j['slices']}  "
-            f"restores={j['restores']}  gpu-s={j['gpu_seconds']:.1f}  pids={j['pids']}{parked}{fault}{refused}"
+            f"restores={j['restores']}  gpu-s={j['gpu_seconds']:.1f}  pids={j['pids']}{parked}{declared}{over}"
+            f"{fault}{refused}"
         )
     if not status["jobs"]:
         lines.append("  (none)")

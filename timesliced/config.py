@@ -107,6 +107,17 @@ class DaemonConfig:
     host_memory_limit: int | None = None
     host_memory_margin: int | None = None
     host_memory_interval: float = 1.0
+    # Co-residency (core/residency.py): device memory kept free on each GPU of a job that declared its memory,
+    # beside the footprints of the jobs resident there. 1 GiB: a CUDA context and the allocator's slack per
+    # process take a few hundred MiB that no declaration names, and cuda-checkpoint keeps a margin of its own.
+    memory_headroom: int = 1 * GiB
+    prefetch: bool = True  # restore a held group's next waiter into free room before its turn
+    # Every handoff with a waiter parks the outgoing job even when both fit: the behaviour of systems
+    # without co-residency, for comparisons (every job registers as one that has its GPUs to itself).
+    park_every_handoff: bool = False
+    # A switch whose restore needs parked jobs' room starts both together (RestoreJob.streams_with); the
+    # shell streams them where its backend can, else runs the restore once the snapshots are done.
+    stream_switches: bool = True
     host_root: Path = Path("/")  # where /proc and /sys are read from (tests point it at a fake tree)
     recovery_grace: float = 30.0  # after a restart, how long the jobs of the journal keep their turns
     # Fault injection for crash tests: points at which the daemon kills itself with SIGKILL

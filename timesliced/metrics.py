@@ -305,6 +305,11 @@ class _Families:
             "1 while the job's last park failed with its state intact and is not tried again yet.",
             labels=["job"],
         )
+        self.over_declared = GaugeMetricFamily(
+            "timesliced_job_over_declared_bytes",
+            "The most device memory the job was measured to hold past its declaration on any GPU (0: within it).",
+            labels=["job"],
+        )
 
         def host_gauge(name: str, doc: str) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=["node"])
@@ -375,6 +380,8 @@ def _add_job(f: _Families, job: Mapping[str, Any]) -> None:
     if "parked_bytes" in job:  # the leader's figures: a follower's jobs have none
         f.parked_bytes.add_metric([name], float(job["parked_bytes"]))
         f.park_refused.add_metric([name], 1.0 if job.get("park_refused") else 0.0)
+        if job.get("declared"):  # jobs that declared their memory only: the label set stays the jobs'
+            f.over_declared.add_metric([name], float(job.get("over_declared_bytes", 0)))
 
 
 def _add_host(f: _Families, h: Mapping[str, Any], members: list[str]) -> None:

@@ -8,12 +8,13 @@ from typing import Any
 import pytest
 
 from timesliced import errors
-from timesliced.cluster.asks import Acquire, Alloc, Closed, Gone, HostRead, MoveDone, Register, Release
+from timesliced.cluster.asks import Acquire, Alloc, Closed, Gone, HostRead, Measured, MoveDone, Register, Release
 from timesliced.cluster.effects import Fail, Reply, Send
 from timesliced.cluster.messages import Req
 from timesliced.cluster.node import PENDING, ClusterNode
 from timesliced.cluster.orchestrator import Orchestrator
 from timesliced.cluster.report import NodeReport
+from timesliced.core.residency import Options
 
 ERA = (3, 1)
 NOW = 100.0
@@ -30,6 +31,8 @@ def job(name: str, group: str, location: str, footprint: dict[str, int], span: l
         "span": span,
         "gone": kw.get("gone", False),
         "freezes": kw.get("freezes", True),
+        "memory": kw.get("memory"),
+        "memory_each": kw.get("memory_each"),
     }
 
 
@@ -68,6 +71,47 @@ def done(orch: Orchestrator, slot: int, op: int, nbytes: int = 60, now: float = 
 
 
 # --- rebuild ------------------------------------------------------------------------------
+
+
+def test_a_nodes_measured_memory_reaches_the_scheduler_on_cluster_gpus() -> None:
+    span = [0, 100]
+    a = {**job("A", "g", "resident", {}, span), "exclusive": True, "memory_each": 20}
+    reports = {0: report([a], [(1, "A")]), 1: report([a], [(1, "A")])}
+    orch, _ = Orchestrator.rebuild(ERA, reports_of(reports), [], NOW)
+    orch.handle(1, Measured("A", {0: 35}), NOW)  # node 1's GPU 0
+    job_a = orch.scheduler.jobs["A"]
+    assert job_a.peak == {100: 35} and job_a.footprint == {0: 20, 100: 35}
+    assert orch.scheduler.describe(NOW)["jobs"][0]["over_declared_bytes"] == 15
+
+
+def test_a_streamed_restore_names_its_snapshots_to_the_nodes() -> None:
+    orch = Orchestrator(ERA, {0: 100}, residency=Options(memory_headroom=0, stream_switches=True))
+    orch.handle(0, Register(1, 1, "A", "g", (0,), (), True, memory={0: 70}), NOW)
+    orch.handle(0, Register(2, 1, "B", "g", (0,), (), True, memory_each=60), NOW)
+    acquire(orch, 0, 1, 2)
+    ((_, snap),) = messages(orch, "move")  # 70 + 60 do not fit: B parks for A's first turn
+    done(orch, 0, snap["op"])
+    acquire(orch, 0, 2, 3)
+    orch.handle(0, Release(1, 4), NOW)
+    moves = {m["kind"]: m for _, m in messages(orch, "move")}
+    assert moves["snapshot"]["job"] == "A" and moves["restore"]["job"] == "B"
+    assert moves["restore"]["streams_with"] == [moves["snapshot"]["op"]]
+    orch.scheduler.check_invariants()
+
+
+def test_rebuild_keeps_what_each_node_declared_for_its_jobs() -> None:
+    span = [0, 100]
+    a = {**job("A", "g", "parked", {}, span), "exclusive": True}
+    reports = {
+        0: report([{**a, "memory": {"0": 30}}], [(1, "A")]),
+        1: report([{**a, "memory_each": 20}], [(1, "A")]),
+    }
+    orch, problems = Orchestrator.rebuild(ERA, reports_of(reports), [], NOW)
+    assert problems == []
+    jobs = orch.scheduler.jobs
+    assert jobs["A"].declared == {0: 30, 100: 20}  # node 1's GPU 0 is GPU 100 cluster-wide
+    assert jobs["A"].footprint == {0: 30, 100: 20}  # planned with it: a parked job is restored into that room
+    orch.scheduler.check_invariants()
 
 
 def test_rebuild_keeps_the_holder_its_fence_and_the_queue_in_the_old_order() -> None:
@@ -310,7 +354,7 @@ def test_a_new_leaders_sync_is_answered_with_a_report_once_moves_are_done() -> N
     n = node()
     follow(n, "a", 2)
     registered(n, "a", 2)
-    n.receive("a", {"k": "move", "op": 7, "kind": "snapshot", "job": "A", "era": [2, 1]}, 0.4)
+    n.receive("a", {"k": "move", "op": 7, "kind": "snapshot", "job": "A", "era": [2, 1], "streams_with": []}, 0.4)
     (run,) = n.drain()
     # a new leader in term 3 asks for a report while the snapshot runs
     n.receive("c", {"k": "elect", "m": {"type": "heartbeat", "term": 3, "leader": "c", "sent_at": 0.0}}, 0.5)

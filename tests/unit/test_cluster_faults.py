@@ -66,7 +66,7 @@ def follower() -> ClusterNode:
         result = {"job": job, "group": "g", "gpus": [100], "location": "resident"}
         n.receive("a", {"k": "res", "id": req, "op": "register", "ok": True, "result": result, "era": [2, 1]}, 0.2)
     n.request(Acquire(1, 2), 0.3)
-    n.receive("a", {"k": "move", "op": 7, "kind": "snapshot", "job": "B", "era": [2, 1]}, 0.3)
+    n.receive("a", {"k": "move", "op": 7, "kind": "snapshot", "job": "B", "era": [2, 1], "streams_with": []}, 0.3)
     n.drain()
     return n
 
@@ -82,7 +82,9 @@ FOLLOWER_FAULTS: list[tuple[str, Callable[[ClusterNode], None], Any, str]] = [
     ("a fail", lambda n: n.receive("a", fail(2), 0.4), messages.WireError, "exception"),
     (
         "a move",
-        lambda n: n.receive("a", {"k": "move", "op": 8, "kind": "restore", "job": "A", "era": [2, 1]}, 0.4),
+        lambda n: n.receive(
+            "a", {"k": "move", "op": 8, "kind": "restore", "job": "A", "era": [2, 1], "streams_with": []}, 0.4
+        ),
         node,
         "moved",
     ),
@@ -186,6 +188,8 @@ def report(waiting: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         "span": [0, 100],
         "gone": False,
         "freezes": True,
+        "memory": None,
+        "memory_each": None,
     }
     return {
         "devices": {"0": 100},
@@ -214,6 +218,8 @@ REGISTER_C = req(
         "exclusive": False,
         "extra": {},
         "freezes": True,
+        "memory": None,
+        "memory_each": None,
     },
 )
 

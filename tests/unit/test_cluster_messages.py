@@ -21,6 +21,7 @@ from timesliced.cluster.asks import (
     Freed,
     Gone,
     HostRead,
+    Measured,
     MoveDone,
     Register,
     Registered,
@@ -64,7 +65,11 @@ ERA = (3, 2)
 REPORT = NodeReport(
     devices={0: 100, 1: 80},
     sessions=(ReportedSession(4, "job-a", (11, 12)),),
-    jobs=(ReportedJob("job-a", "pool", True, Location.PARKED, {0: 60}, "it broke", (0, 101), True),),
+    jobs=(
+        ReportedJob(
+            "job-a", "pool", True, Location.PARKED, {0: 60}, "it broke", (0, 101), True, memory={0: 64}, memory_each=32
+        ),
+    ),
     holders=(ReportedHolder("pool", "job-a", 7, (4, 5)),),
     waiting=(ReportedWait(4, 9, 12, 3, 2.5),),
     fences={"pool": 7},
@@ -82,7 +87,22 @@ SAMPLES: dict[str, PeerMessage] = {
     "resync": Resync(ERA),
     "report": Report(ERA, REPORT),
     "ready": Ready(ERA),
-    "req register": Req(ERA, 1, Register(4, 9, "job-a", "pool", (0, 1), (11,), True, {"session": 4, "park": "sim"})),
+    "req register": Req(
+        ERA,
+        1,
+        Register(
+            4,
+            9,
+            "job-a",
+            "pool",
+            (0, 1),
+            (11,),
+            True,
+            {"session": 4, "park": "sim"},
+            memory={0: 1024},
+            memory_each=2048,
+        ),
+    ),
     "req acquire": Req(ERA, 2, Acquire(4, 10, 30.0)),
     "req cancel": Req(ERA, 3, Cancel(4, 11, 10)),
     "req release": Req(ERA, 4, Release(4, 12)),
@@ -91,6 +111,7 @@ SAMPLES: dict[str, PeerMessage] = {
     "note freed": Note(ERA, Freed("job-a", 1, 64)),
     "note gone": Note(ERA, Gone("job-a")),
     "note move_done": Note(ERA, MoveDone(17, False, 64, 0.5, "it broke", True, "insufficient_host_memory")),
+    "note measured": Note(ERA, Measured("job-a", {0: 4096, 1: 2048})),
     "note host_read": Note(
         ERA, HostRead(-5, 300, {"cgroup:/a": 70}, {"job-a": ("cgroup:/a",)}, {"job-a": 64}, {"host": "MemAvailable"})
     ),
@@ -101,13 +122,23 @@ SAMPLES: dict[str, PeerMessage] = {
     "fail": Failed(ERA, 4, 10, WireError("job_faulted", "job 'job-a' is faulted")),
     "queued": Queued(ERA, 4, 10, 12),
     "notify": Notify(ERA, "job-a", "faulted", {"reason": "it broke", "until_resync": True}),
-    "move": Move(ERA, 17, "snapshot", "job-a"),
+    "move": Move(ERA, 17, "restore", "job-a", (15, 16)),
     "span": Span(ERA, "pool", (0, 101)),
     "alloc": Allotted(ERA, 4, 13, "job-a", 1, 64, 60),
 }
 PLAIN = {"result", "extra", "details", "data"}  # plain data: a peer passes it on to a client as it is
-KEYED = {"devices", "footprint", "fences", "pools", "members", "sizes", "source"}  # maps keyed by data, not names
-OPTIONAL = {"gpus", "timeout", "seq", "deadline_in", "limit"}  # fields that may be null
+KEYED = {
+    "devices",
+    "footprint",
+    "held",
+    "fences",
+    "pools",
+    "members",
+    "sizes",
+    "source",
+    "memory",
+}  # maps keyed by data, not names
+OPTIONAL = {"gpus", "timeout", "seq", "deadline_in", "limit", "memory", "memory_each"}  # fields that may be null
 
 
 def wire(message: PeerMessage) -> dict[str, Any]:

@@ -482,3 +482,12 @@ def buckets(series: dict[str, dict[Labels, float]], name: str, labels: Labels) -
         if frozenset(d.items()) == labels:
             out[float(le)] = value
     return out
+
+
+def test_a_job_over_its_declaration_shows_by_how_much() -> None:
+    status = copy.deepcopy(STATUS)
+    status["jobs"][1]["declared"] = {"0": 30 << 20}
+    status["jobs"][1]["over_declared_bytes"] = 10 << 20
+    series = scrape(Metrics(lambda: status, node="vm"))
+    # only jobs that declared their memory have the series
+    assert series["timesliced_job_over_declared_bytes"] == {frozenset({("job", "sft-chat")}): float(10 << 20)}

@@ -56,6 +56,7 @@ from timesliced.core.events import (
     HostMemoryRead,
     JobExited,
     JobRegistered,
+    MemoryMeasured,
     MemoryReleased,
     MemoryRequested,
     MoveFinished,
@@ -80,6 +81,10 @@ CAPACITIES = {0: 100, 1: 100, 2: 100}
 GROUPS = {"g0": (0, 1), "g1": (1, 2), "g2": (0,)}  # g0 shares GPU 0 with g2 and GPU 1 with g1
 JOBS = {"a": "g0", "b": "g0", "c": "g0", "j": "g0", "d": "g1", "e": "g1", "f": "g2", "h": "g2", "i": "g2"}
 EXCLUSIVE = {"c", "e", "h"}  # parked whole like real processes; the rest account their memory
+# Real processes too, that declare their memory on each of their GPUs: they may stay resident beside
+# others, be prefetched while their group is held, and grow past their declaration (``MemoryMeasured``).
+DECLARED = {"j": 30, "i": 45}
+HEADROOM = 5
 HOST_CODES = ["insufficient_host_memory", "park_refused", ""]  # what a failed move with its job intact says
 MAX_WAITERS = 2  # g0 has four jobs: one holds, two wait, the fourth is refused
 POLICIES = {"g0": SlicePolicy(1.0, "preempt", grace=0.5), "g1": SlicePolicy(3.0, "warn")}  # g2 has none
@@ -88,7 +93,18 @@ POLICIES = {"g0": SlicePolicy(1.0, "preempt", grace=0.5), "g1": SlicePolicy(3.0,
 class Run:
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
-        self.s = Scheduler(CAPACITIES, max_waiters=MAX_WAITERS, policies=POLICIES)
+        self.stream = rng.random() < 0.5  # half the runs stream their switches' restores into their snapshots' room
+        self.s = Scheduler(
+            CAPACITIES,
+            max_waiters=MAX_WAITERS,
+            policies=POLICIES,
+            memory_headroom=HEADROOM,
+            prefetch=True,
+            stream_switches=self.stream,
+        )
+        self.prefetched = 0  # restores started while the group was held (prefetches)
+        self.streamed = 0  # restores started together with their snapshots
+        self.measured = 0
         self.now = 0.0
         self.next_sid = 1
         self.next_rid = 1
@@ -171,6 +187,7 @@ class Run:
             (self.drain, 1),
             (self.read_host, 3),
             (self.resume, 1),
+            (self.measure, 3),
         ]
         action = self.rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
         action()
@@ -199,11 +216,21 @@ class Run:
             expect = errors.GroupMismatch
         elif core_job is not None and core_job.exiting:
             expect = errors.JobFaulted
-        if (
-            self.feed(JobRegistered(sid, job, group, gpus, (sid,), job in EXCLUSIVE), expect) is not None
-            and expect is None
-        ):
+        declared = DECLARED.get(job)
+        event = JobRegistered(
+            sid, job, group, gpus, (sid,), job in EXCLUSIVE or declared is not None, memory_each=declared
+        )
+        if self.feed(event, expect) is not None and expect is None:
             self.sessions[sid] = job
+
+    def measure(self) -> None:
+        """A reading of a job's device memory; the declared jobs may grow past their declaration."""
+        if not self.s.jobs:
+            return
+        job = self.rng.choice(sorted(self.s.jobs))
+        gpus = self.s.groups[self.s.jobs[job].group].gpus
+        self.feed(MemoryMeasured(job, {g: self.rng.randint(0, 60) for g in gpus}))
+        self.measured += 1
 
     def bound_session(self) -> int | None:
         """A registered session, mostly one whose job is neither faulted nor exiting."""
@@ -312,7 +339,12 @@ class Run:
         gpus = self.s.groups[core.group].gpus
         gpu = self.rng.choice(gpus if self.rng.random() < 0.9 else list(CAPACITIES))
         nbytes = self.rng.randint(1, 70)
-        leaving = sum(j.footprint.get(gpu, 0) for j in self.s.jobs.values() if j.location is Location.PARKING)
+        streamed = {o for pair in self.s.moves.streams.values() for o in pair.outgoing}  # their room is taken
+        leaving = sum(
+            j.footprint.get(gpu, 0)
+            for j in self.s.jobs.values()
+            if j.location is Location.PARKING and j.name not in streamed
+        )
         leaving -= sum(p.nbytes for p in self.s.ledger.pending if p.gpu == gpu)
         rid = self.next_rid
         self.next_rid += 1
@@ -483,6 +515,13 @@ class Run:
                 assert self.allocs.pop(e.ticket) == e.job, e
                 assert not self.s.jobs[e.job].exiting, e
             elif isinstance(e, (SnapshotJob, RestoreJob)):
+                if isinstance(e, RestoreJob):
+                    if e.op in self.s.moves.prefetches:
+                        group = self.s.groups[self.s.jobs[e.job].group]
+                        assert self.queues.get(group.name, [None])[0] == e.job, "prefetched a job that is not next"
+                        assert group.holder is not None, "a prefetch while nobody holds the group"
+                        self.prefetched += 1
+                    self.streamed += bool(e.streams_with)
                 assert e.op not in self.moves and e.op not in self.reclaims
                 self.moves[e.op] = e.job
                 if isinstance(e, SnapshotJob):
@@ -563,8 +602,26 @@ class Run:
             if holder is not None:
                 assert group.holder_sessions == holder[1]
         for gpu, cap in CAPACITIES.items():
+            # Each occupying job counts its footprint, a streamed pair its larger side; only growth that
+            # measurement found in declared jobs (not a placement) may take a GPU past its capacity.
             used = sum(j.footprint.get(gpu, 0) for j in s.jobs.values() if j.location is not Location.PARKED)
-            assert used <= cap, f"GPU {gpu} over capacity: {used} > {cap}"
+            for pair in s.moves.streams.values():
+                incoming = s.jobs[pair.incoming]
+                out = sum(
+                    s.jobs[o].footprint.get(gpu, 0)
+                    for o in pair.outgoing
+                    if o in s.jobs and s.jobs[o].location.occupies_device
+                )
+                used -= min(incoming.footprint.get(gpu, 0), out)
+            grown = sum(
+                max(0, j.footprint.get(gpu, 0) - j.declared.get(gpu, 0)) if j.placed else j.footprint.get(gpu, 0)
+                for j in s.jobs.values()
+                if j.declared and j.location is not Location.PARKED
+            )
+            assert used - grown <= cap, f"GPU {gpu} over capacity: {used} > {cap} ({grown} measured growth)"
+        for op in s.moves.prefetches:  # a prefetch restores a declared job, never the holder of its group
+            job = s.jobs[s.moves.in_flight[op].job]
+            assert job.declared and s.groups[job.group].holder != job.name, job
         assert set(s.moves.in_flight) == set(self.moves) | set(self.reclaims)
         # time only moves together with handle_timers: nothing overdue is left waiting
         for tickets in self.waiting.values():
@@ -675,6 +732,7 @@ def test_the_model_sees_failures_of_both_kinds_and_waiters_told_why() -> None:
     runs = [run(random.Random(seed), 2500) for seed in range(4)]
     assert sum(r.intact_failures for r in runs) >= 10 and sum(r.damaged_failures for r in runs) >= 5
     assert sum(r.told for r in runs) >= 50
+    assert sum(r.prefetched for r in runs) >= 2 and sum(r.streamed for r in runs) >= 5  # residency is reached
 
 
 @pytest.mark.slow

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import errors
 from ..env import TOKEN_ENV, default_socket_path, read_token
-from ..util.parse import parse_host_port
-from ..wire.messages import PROTOCOL_VERSION
+from ..util.parse import parse_host_port, parse_size
+from ..wire.messages import EVERY_GPU, PROTOCOL_VERSION
 from ..wire.park import METHODS, ParkSpec
 from .gpus import node_gpus
 from .session import Unreachable
@@ -77,8 +78,14 @@ def register_args(
     gpus: list[int] | str | None,
     pids: list[int] | None,
     park: str | ParkSpec | None = None,
+    memory: int | str | Mapping[int, int | str] | None = None,
 ) -> dict[str, Any]:
     """The ``register`` request's args.
+
+    ``memory``: the device memory the job declares per GPU, like a Kubernetes request: bytes or a
+    size string (``"20GiB"``) for each of its GPUs, or a dict GPU -> size; None declares nothing
+    (the job then has its GPUs to itself when granted). Raises ``ValueError`` for a size that is
+    not one, or one below a byte.
 
     ``gpus``: the node's GPU numbers (NVML indices, as ``nvidia-smi`` and
     ``timesliced status`` show them; the simulated GPU's own numbers), ``None``
@@ -99,7 +106,33 @@ def register_args(
         if spec.method not in METHODS:
             raise ValueError(f"unknown parking method {spec.method!r} (known: {', '.join(METHODS)})")
         args["park"] = spec.to_wire()
+    if memory is not None:
+        args["memory"] = memory_args(memory)
     return args
+
+
+def memory_args(memory: int | str | Mapping[int, int | str]) -> dict[str, int]:
+    """A ``memory=`` declaration as the wire carries it (``{"*": bytes}`` or ``{"<gpu>": bytes}``).
+
+    Raises ``ValueError``.
+    """
+
+    def size(value: int | str, what: str) -> int:
+        n = parse_size(value) if isinstance(value, str) else value
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"memory {what} must be a number of bytes >= 1 or a size like '20GiB', not {value!r}")
+        return n
+
+    if isinstance(memory, Mapping):
+        if not memory:
+            raise ValueError("memory must name at least one GPU (or be one size for each GPU)")
+        out = {}
+        for gpu, value in memory.items():
+            if not isinstance(gpu, int) or isinstance(gpu, bool) or gpu < 0:
+                raise ValueError(f"memory keys must be the node's GPU numbers, not {gpu!r}")
+            out[str(gpu)] = size(value, f"for GPU {gpu}")
+        return out
+    return {EVERY_GPU: size(memory, "for each GPU")}
 
 
 def dial_failure(address: Address, exc: OSError) -> tuple[str, Unreachable]:

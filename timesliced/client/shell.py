@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import errors
@@ -52,6 +52,7 @@ class ShellBase:
         token: str | None = None,
         reconnect: float = 60.0,
         parked_access: str = "wait",
+        memory: int | str | Mapping[int, int | str] | None = None,
     ) -> None:
         if parked_access not in ("wait", "raise"):
             raise ValueError("parked_access must be 'wait' or 'raise'")
@@ -77,7 +78,7 @@ class ShellBase:
 
         self._core = ClientSession(
             job,
-            register_args(job, group, gpus, pids, park),
+            register_args(job, group, gpus, pids, park, memory),
             hello_args(),
             address=str(self.address),
             auth=prove,

@@ -55,6 +55,13 @@ class Client(ShellBase):
     preempted (parked by the daemon after its maximum slice, queued again):
     ``"wait"`` until the lock is granted back, or ``"raise"`` ``NotResident``.
 
+    ``memory``: the device memory the job declares it needs on each of its GPUs
+    (bytes, or a size string like ``"20GiB"``; or a dict GPU -> size), like a
+    Kubernetes request. Jobs whose footprints (the larger of the declaration
+    and the peak the daemon measured) plus the daemon's ``--memory-headroom``
+    fit a GPU stay resident together, and a handoff between them moves nothing.
+    Without it, a job parked by any method but ``sim`` has its GPUs to itself.
+
     Raises ``ConnectionLost`` when the daemon cannot be reached or does not come
     back, and the typed errors of ``timesliced.errors`` for refusals.
 

@@ -46,6 +46,9 @@ class Register(Ask):
     exclusive: Annotated[bool, Flag()] = False
     extra: Annotated[dict[str, Any], Plain(map_only=True)] = field(default_factory=dict)
     freezes: Annotated[bool, Flag()] = True  # its parking method stops its GPU work first (core JobRegistered)
+    # the device memory it declares (core JobRegistered.memory / memory_each): per GPU, or for each of its GPUs
+    memory: Annotated[dict[int, int] | None, Optional(Map(GPU, BYTES))] = None
+    memory_each: Annotated[int | None, Optional(BYTES)] = None
 
 
 @dataclass(frozen=True)
@@ -144,8 +147,17 @@ class HostRead(Ask):
     source: Annotated[dict[str, str], Map(Text(), Text())] = field(default_factory=dict)
 
 
-Notice = Closed | Freed | Gone | MoveDone | HostRead
-NOTICES: dict[str, type[Notice]] = {cls.OP: cls for cls in (Closed, Freed, Gone, MoveDone, HostRead)}
+@dataclass(frozen=True)
+class Measured(Ask):
+    """The device memory ``job`` was seen to hold on the node's GPUs (core ``MemoryMeasured``), sent when it grew."""
+
+    OP = "measured"
+    job: Annotated[str, NAME]
+    held: Annotated[dict[int, int], Map(GPU, BYTES)]  # GPU -> bytes
+
+
+Notice = Closed | Freed | Gone | MoveDone | HostRead | Measured
+NOTICES: dict[str, type[Notice]] = {cls.OP: cls for cls in (Closed, Freed, Gone, MoveDone, HostRead, Measured)}
 
 
 # --- answers ------------------------------------------------------------------------------

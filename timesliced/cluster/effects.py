@@ -50,6 +50,9 @@ class RunMove:
     key: tuple[int, int, int]  # (term, gen, op)
     kind: str
     job: str
+    # a restore streaming into the room of these snapshots (their keys, the ones this node runs): the
+    # shell streams them together where its backend can, else starts the restore once they ended
+    streams_with: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,8 @@ class Move(Message):
     op: Annotated[int, Int()]
     kind: Annotated[str, Choice(*MOVE_KINDS)]
     job: Annotated[str, NAME]
+    # a restore that streams into the room of these snapshots (ops; core RestoreJob.streams_with)
+    streams_with: Annotated[tuple[int, ...], Seq(Int())] = ()
 
 
 @dataclass(frozen=True)

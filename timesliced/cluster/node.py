@@ -43,6 +43,7 @@ from ..core.events import DrainRequested, FaultCleared, ForceReleaseRequested
 from ..core.ids import gpu_slot, local_gpu
 from ..core.location import Cause, Location, moved
 from ..core.model import AUTO
+from ..core.residency import Options
 from ..core.scheduler import Scheduler
 from ..core.slices import SlicePolicy
 from ..wire import status
@@ -53,6 +54,7 @@ from .asks import (
     Freed,
     Gone,
     HostRead,
+    Measured,
     MoveDone,
     Notice,
     Register,
@@ -113,6 +115,8 @@ class LocalJob:
     sessions: set[int] = field(default_factory=set)
     pids: set[int] = field(default_factory=set)
     freezes: bool = True  # its parking method stops its GPU work first (core JobRegistered.freezes)
+    memory: dict[int, int] | None = None  # local GPU -> declared bytes (core JobRegistered.memory), for reports
+    memory_each: int | None = None  # declared for each of its GPUs here (core JobRegistered.memory_each)
 
 
 @dataclass
@@ -161,6 +165,7 @@ class ClusterNode:
         op_timeout: float = 600.0,
         sync_timeout: float | None = None,
         policies: dict[str, SlicePolicy] | None = None,
+        residency: Options | None = None,
     ) -> None:
         members = tuple(sorted(members))
         if node_id not in members:
@@ -187,6 +192,7 @@ class ClusterNode:
             op_timeout=op_timeout,
             sync_timeout=sync_timeout if sync_timeout is not None else election_timeout[1],
             policies=dict(policies or {}),
+            residency=residency,
         )
         self.era: Era | None = None  # the era this node takes directions in
         self.leader: str | None = None  # who opened it
@@ -406,6 +412,12 @@ class ClusterNode:
         self._note(notice)
         self._pump(now)
 
+    def measured(self, job: str, gpus: dict[int, int], now: float) -> None:
+        """``job`` was seen to hold ``gpus`` (local GPU -> bytes), more than before: the leader keeps its peak."""
+        if job in self.jobs:
+            self._note(Measured(job, dict(gpus)))
+            self._pump(now)
+
     def gone(self, job: str, now: float) -> None:
         """No process of ``job`` is alive on this node and none is connected."""
         local = self.jobs.get(job)
@@ -609,6 +621,8 @@ class ClusterNode:
         """The job, as this node knows it from now on (the leader registered it)."""
         job = self.jobs.setdefault(ask.job, LocalJob(ask.job, ask.group, ask.exclusive, (), freezes=ask.freezes))
         job.span = result.gpus
+        if ask.memory is not None or ask.memory_each is not None:
+            job.memory, job.memory_each = ask.memory, ask.memory_each
         job.sessions.add(ask.conn)
         job.pids.update(ask.pids)
         job.gone = False
@@ -658,6 +672,8 @@ class ClusterNode:
                     tuple(j.span),
                     j.gone,
                     j.freezes,
+                    j.memory,
+                    j.memory_each,
                 )
                 for j in self.jobs.values()
             ),
@@ -774,7 +790,8 @@ class ClusterNode:
         assert self.era is not None
         key = (*self.era, m.op)
         job = self.jobs.get(m.job)
-        run = RunMove(key, m.kind, m.job)
+        streams = tuple(k for op in m.streams_with if (k := (*self.era, op)) in self._moving)
+        run = RunMove(key, m.kind, m.job, streams)
         if m.kind == "reclaim":
             self._moving[key] = (m.kind, m.job)
             self._effects.append(run)

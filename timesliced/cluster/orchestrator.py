@@ -41,6 +41,7 @@ from ..core.events import (
     HostMemoryRead,
     JobExited,
     JobRegistered,
+    MemoryMeasured,
     MemoryReleased,
     MemoryRequested,
     MoveFinished,
@@ -55,6 +56,7 @@ from ..core.events import (
 from ..core.ids import GPU_STRIDE, global_gpu, global_session, gpu_slot, local_conn, local_gpu, session_slot
 from ..core.location import Location
 from ..core.model import AUTO
+from ..core.residency import Options
 from ..core.scheduler import Scheduler
 from ..core.slices import SlicePolicy
 from . import rebuild as steps
@@ -66,6 +68,7 @@ from .asks import (
     Freed,
     Gone,
     HostRead,
+    Measured,
     MoveDone,
     Notice,
     Register,
@@ -121,9 +124,19 @@ class Orchestrator:
         max_waiters: int = 1024,
         op_timeout: float = 600.0,
         policies: dict[str, SlicePolicy] | None = None,
+        residency: Options | None = None,
     ) -> None:
         self.era = era
-        self.scheduler = Scheduler(capacities, max_waiters=max_waiters, policies=policies)
+        r = residency or Options()
+        self.residency = r
+        self.scheduler = Scheduler(
+            capacities,
+            max_waiters=max_waiters,
+            policies=policies,
+            memory_headroom=r.memory_headroom,
+            prefetch=r.prefetch,
+            stream_switches=r.stream_switches,
+        )
         self.op_timeout = op_timeout
         self.job_nodes: dict[str, set[int]] = {}  # job -> slots where it has sessions or state
         self.gone: dict[str, set[int]] = {}  # job -> slots whose processes of it are all gone
@@ -151,6 +164,7 @@ class Orchestrator:
         op_timeout: float = 600.0,
         fence_floor: dict[str, int] | None = None,
         policies: dict[str, SlicePolicy] | None = None,
+        residency: Options | None = None,
     ) -> tuple[Orchestrator, list[str]]:
         """The orchestrator of a new era from the nodes' reports (slot -> report).
 
@@ -160,7 +174,9 @@ class Orchestrator:
         (inconsistent reports), for the log; those pieces are left out. Nothing exists but what it returns.
         """
         capacities = {global_gpu(s, g): cap for s, r in reports.items() for g, cap in r.devices.items()}
-        orch = cls(era, capacities, max_waiters=max_waiters, op_timeout=op_timeout, policies=policies)
+        orch = cls(
+            era, capacities, max_waiters=max_waiters, op_timeout=op_timeout, policies=policies, residency=residency
+        )
         orch.offline = set(missing)
         orch.fence_floor = dict(fence_floor or {})
         with orch._input():  # its first: should it raise, nobody ever sees this orchestrator
@@ -217,6 +233,9 @@ class Orchestrator:
                 case MoveDone():
                     self._fanout_done(slot, ask, now)
                     return None
+                case Measured():
+                    gpus = {_gpu(slot, g): n for g, n in ask.held.items()}
+                    return self._feed(MemoryMeasured(ask.job, gpus), now)
                 case HostRead():
                     reading = HostMemoryRead(
                         slot, ask.room, ask.limit, dict(ask.pools), dict(ask.members), dict(ask.sizes), dict(ask.source)
@@ -277,6 +296,8 @@ class Orchestrator:
             exclusive=ask.exclusive,
             slot=slot,
             freezes=ask.freezes,
+            memory=None if ask.memory is None else {_gpu(slot, g): n for g, n in ask.memory.items()},
+            memory_each=ask.memory_each,
         )
         group = self.scheduler.groups.get(ask.group)
         before = group.gpus if group is not None else ()
@@ -355,7 +376,8 @@ class Orchestrator:
                     if slot in self.offline:
                         self._node_lost_in(effect.op, fan, slot, "is out of reach", now)
                     else:
-                        self.send(slot, Move(self.era, effect.op, kind, effect.job))
+                        streams = effect.streams_with if isinstance(effect, RestoreJob) else ()
+                        self.send(slot, Move(self.era, effect.op, kind, effect.job, streams))
                 self._finish_fanout(effect.op, now)
             case AllocateRegion():
                 session, rid = effect.ticket

@@ -106,8 +106,10 @@ def adopt_jobs(
 def adopt_sessions(orch: Orchestrator, reports: Reports, now: float, problems: list[str]) -> None:
     sched = orch.scheduler
     for slot, report in sorted(reports.items()):
+        declared = {j.job: j for j in report.jobs}  # what each job declared on this node, registered again with it
         for s in report.sessions:
             job = sched.jobs.get(s.job)
+            here = declared.get(s.job)
             if job is None:
                 problems.append(f"session {slot}/{s.conn} of job {s.job!r} is left out")
                 continue
@@ -120,6 +122,8 @@ def adopt_sessions(orch: Orchestrator, reports: Reports, now: float, problems: l
                 exclusive=job.exclusive,
                 slot=slot,
                 freezes=job.freezes,
+                memory=None if here is None or here.memory is None else _global(slot, here.memory),
+                memory_each=None if here is None else here.memory_each,
             )
             try:
                 sched.handle(event, now)
@@ -200,3 +204,7 @@ def queue_waiting(orch: Orchestrator, reports: Reports, now: float, problems: li
             sched.handle(AcquireRequested(global_session(slot, w.conn), w.rid, deadline), now)
         except errors.TimeslicedError as exc:
             orch.send(slot, Failed(orch.era, w.conn, w.rid, WireError.of(exc)))
+
+
+def _global(slot: int, memory: dict[int, int]) -> dict[int, int]:
+    return {global_gpu(slot, g): n for g, n in memory.items()}

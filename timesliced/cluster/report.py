@@ -14,7 +14,7 @@ from typing import Annotated
 
 from ..core.ids import GPU_STRIDE
 from ..core.location import Location
-from .asks import BYTES, CONN, NAME, RID
+from .asks import BYTES, CONN, GPU, NAME, RID
 from .fields import Enum, Flag, Float, Int, Map, Nested, Optional, Seq, Text, Wire
 
 LOCAL_GPU = Int(0, GPU_STRIDE - 1)
@@ -41,6 +41,9 @@ class ReportedJob(Wire):
     span: Annotated[tuple[int, ...], Seq(Int())]
     gone: Annotated[bool, Flag()] = False
     freezes: Annotated[bool, Flag()] = True
+    # the device memory it declared here (cluster Register.memory / memory_each), so a new leader plans with it
+    memory: Annotated[dict[int, int] | None, Optional(Map(GPU, BYTES))] = None
+    memory_each: Annotated[int | None, Optional(BYTES)] = None
 
 
 @dataclass(frozen=True)

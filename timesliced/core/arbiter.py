@@ -15,7 +15,7 @@ from .events import Effect, GrantLock, NotifyJob
 from .figures import Figures
 from .ledger import MemoryLedger
 from .location import Location
-from .model import Group, Refuse, Switch, Wait
+from .model import Group, Job, Refuse, Switch, Wait, Waiter
 from .moves import Moves
 from .queues import BLOCKED, LockQueues
 from .registry import Registry
@@ -24,7 +24,7 @@ from .undo import Fields, Journal
 
 SWITCH = Fields("switch")
 OVERDUE = Fields("overdue_since")
-LAST_GRANTED = Fields("last_granted")
+LAST_GRANTED = Fields("last_granted", "placed")
 RESTORING = Fields("restoring")
 
 
@@ -41,7 +41,14 @@ class Arbiter:
         figures: Figures,
         journal: Journal,
         emit: Callable[[Effect], None],
+        *,
+        prefetch: bool = True,
+        stream: bool = False,
     ) -> None:
+        """``prefetch``: restore a held group's next waiter into free room (``_prefetch``); ``stream``:
+        start a switch's restore with the snapshots that make its room (``_start_switch``)."""
+        self._prefetching = prefetch
+        self._streaming = stream
         self._registry = registry
         self._queues = queues
         self._ledger = ledger
@@ -57,10 +64,13 @@ class Arbiter:
         for group in self._registry.groups.values():
             # Only a group that can act is visited (so a step costs what those cost, not every group):
             # ``advance`` does nothing for one without a queue, one whose switch is under way, or one
-            # whose holder no slice policy polices.
+            # whose holder no slice policy polices and whose next waiter is not to be prefetched.
             if not group.queue or group.name in frozen:
                 continue
-            if group.switch is None if group.holder is None else policy(group.name) is not None:
+            if group.holder is None:
+                if group.switch is None:
+                    self.advance(group, now)
+            elif policy(group.name) is not None or self._prefetching:
                 self.advance(group, now)
 
     def advance(self, group: Group, now: float) -> None:
@@ -71,6 +81,8 @@ class Arbiter:
         """
         if group.holder is not None:
             self._police(group, now)
+            if group.holder is not None:
+                self._prefetch(group, now)
         while group.holder is None and group.switch is None and group.queue and not group.draining:
             head = group.queue[0]
             if not head.tickets:
@@ -89,14 +101,47 @@ class Arbiter:
             if not plan and job.location is Location.RESIDENT:
                 self._grant(group, now, switch_s=0.0, restored=False, switched=False)
                 return
-            switch = Switch(job.name, now)
-            for v in plan:
-                switch.pending.add(self._moves.start(v, "snapshot", now))
-            self._journal.fields(group, SWITCH)
-            group.switch = switch
-            if not switch.pending:
-                self._continue(group, now)
+            self._start_switch(group, job, plan, now)
             return
+
+    def next_waiter(self, group: Group) -> Waiter | None:
+        """The waiter the group grants next once it is free: the one a prefetch restores ahead of its turn."""
+        return group.queue[0] if group.queue else None
+
+    def _prefetch(self, group: Group, now: float) -> None:
+        """While the holder computes, restore the next waiter if it fits beside everyone resident.
+
+        Only into free room (the headroom kept, nobody parked for it, never the holder), only the
+        next waiter, only a job that declared its memory, and not again after a prefetch of it
+        failed until it is granted. A prefetched job that is then not granted stays resident until
+        its room is needed (it is idle and resident: the next plan may park it).
+        """
+        if not self._prefetching or group.switch is not None or group.draining:
+            return
+        head = self.next_waiter(group)
+        if head is None or not head.tickets or head.job in self._moves.declined:
+            return
+        job = self._registry.jobs[head.job]
+        if self._ledger.prefetchable(job, now):
+            self._moves.prefetch(job, now)
+
+    def _start_switch(self, group: Group, job: Job, plan: list[Job], now: float) -> None:
+        """Park ``plan`` for ``job``; with streaming, restore ``job`` into their room at once.
+
+        Streamed, the restore's bytes take each GPU's room as the snapshots free it (``moves.Stream``
+        counts the pair's larger side), so the switch ends after the longer of the two copies
+        instead of their sum. Only a parked job whose plan parks others streams.
+        """
+        switch = Switch(job.name, now)
+        snapshots = {self._moves.start(v, "snapshot", now): v for v in plan}
+        switch.pending.update(snapshots)
+        if snapshots and self._streaming and job.location is Location.PARKED:
+            switch.pending.add(self._moves.stream(job, snapshots, now))
+            switch.restoring = True
+        self._journal.fields(group, SWITCH)
+        group.switch = switch
+        if not switch.pending:
+            self._continue(group, now)
 
     def yield_lock(self, group: Group, now: float) -> None:
         """The holder's slice ends now."""
@@ -242,6 +287,8 @@ class Arbiter:
         job = self._registry.jobs[waiter.job]
         self._journal.fields(job, LAST_GRANTED)
         job.last_granted = now
+        job.placed = True
+        self._moves.granted(job)
         waited = now - waiter.enqueued_at
         self._figures.granted(group, job, waited, switch_s if switched else None)
         self._emit(

@@ -34,6 +34,11 @@ class JobRegistered:
     # preempted. False (offload, engines): parking unmaps memory under running kernels, so the job
     # may join no group that preempts.
     freezes: bool = True
+    # gpu -> the device memory the job declares it needs there (a request, as in Kubernetes); None: it
+    # declares nothing. A job with a declaration is planned by its footprint (the larger of this and its
+    # measured peak) and may stay resident beside others; without one, an ``exclusive`` job has its GPUs to itself.
+    memory: dict[int, int] | None = None
+    memory_each: int | None = None  # the same declaration for each of its GPUs on its node (with ``memory``'s on top)
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,15 @@ class MoveFinished:
     # slot -> the bytes this move moved on that node (what its parked state takes in host memory
     # after a snapshot); empty: all of ``nbytes`` on the job's first node.
     by_slot: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MemoryMeasured:
+    """The device memory ``job`` was seen to hold now (gpu -> bytes: NVML's per-process figures of its
+    processes, its offload registrations, its engine's figures); the scheduler keeps the peak."""
+
+    job: str
+    gpus: dict[int, int]
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,7 @@ Event = (
     | MemoryRequested
     | MemoryReleased
     | MoveFinished
+    | MemoryMeasured
     | JobExited
     | ReclaimFinished
     | ForceReleaseRequested
@@ -225,6 +240,10 @@ class SnapshotJob:
 class RestoreJob:
     op: int
     job: str
+    # The snapshots (ops) whose room this restore streams into: they run together, the restore taking
+    # each GPU's memory as the snapshots free it. Empty: the room is free already (or the shell runs
+    # the restore only once those snapshots ended, the sequential form of the same switch).
+    streams_with: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -48,14 +48,29 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves) -> None:
         elif job.location is Location.RESTORING:
             assert move is not None and move.kind == "restore", (name, move)
             g = groups[job.group]
-            assert g.switch is not None and g.switch.incoming == name and g.switch.restoring, name
+            if move.op in moves.prefetches:
+                assert g.holder is not None or g.switch is None or g.switch.incoming != name, name
+                assert job.declared and job.exclusive, f"{name} is prefetched without a declaration"
+            else:
+                assert g.switch is not None and g.switch.incoming == name and g.switch.restoring, name
         else:
             assert move is None, (name, move)
     for m in in_flight:
         if m.kind == "reclaim":
             assert jobs[m.job].exiting
+    assert not moves.prefetches - moves.in_flight.keys(), "a prefetch that is not in flight"
+    for op, stream in moves.streams.items():
+        incoming = jobs.get(stream.incoming)
+        assert incoming is not None and incoming.location.occupies_device, (op, stream)
+        assert any(o in jobs and jobs[o].location.occupies_device for o in stream.outgoing), (op, stream)
+        if op in moves.in_flight:
+            assert moves.in_flight[op].job == stream.incoming and moves.in_flight[op].kind == "restore"
+    # No GPU over capacity: each job counts its footprint, a streamed pair (a restore taking its
+    # snapshots' room as it frees) the larger of its two sides (``ledger.used``). Only growth that
+    # measurement found in declared jobs (``residency.growth``) may take a GPU past it, never a placement.
     for gpu, cap in ledger.capacities.items():
-        assert ledger.used(gpu) <= cap, f"gpu {gpu} over capacity: {ledger.used(gpu)} > {cap}"
+        used, grown = ledger.used(gpu), ledger.grown(gpu)
+        assert used - grown <= cap, f"gpu {gpu} over capacity: {used} > {cap} ({grown} of it measured growth)"
     for s, name in sessions.items():
         assert s in jobs[name].sessions
     for job in jobs.values():

@@ -4,6 +4,14 @@ Every job that occupies a device (all but ``parked``) counts its footprint on ea
 restore starts only once its memory is free and no GPU is ever over capacity. A memory request
 that does not fit parks idle jobs first and waits for their snapshots (a pending allocation).
 Every plan of parks is admitted against the host's budget for parked state (``host``) first.
+
+Residency (``residency``): a real job that declared nothing has its GPUs to itself (``rivals``);
+one that declared its memory is planned by its footprint, with ``headroom`` bytes kept free on
+each of its GPUs on top: a parked one is restored where footprint plus headroom fit (parking
+the least recently granted idle jobs only where room is short), and a resident one is granted
+where nothing moves, unless measured growth left its GPUs short of the headroom, when others park.
+A restore that streams into its snapshots' room (``moves.Stream``) counts, with them, the larger
+of the two footprints on each GPU.
 """
 
 from __future__ import annotations
@@ -16,8 +24,13 @@ from .events import AllocateRegion, Effect, FailRequest, MemoryReleased, Session
 from .host import HostLedger, human, refused
 from .location import Location
 from .model import PARK_RETRY_S, Job, Refuse, Wait
+from .moves import Stream
 from .registry import Registry
-from .undo import Journal
+from .residency import alone, growth, planned, sized
+from .undo import Fields, Journal
+
+PEAK = Fields("peak")
+FOOTPRINT = Fields("footprint")
 
 
 @dataclass
@@ -42,8 +55,16 @@ class MemoryLedger:
         host: HostLedger,
         journal: Journal,
         emit: Callable[[Effect], None],
+        streams: dict[int, Stream],
+        headroom: int = 0,
     ) -> None:
+        """``streams``: the pairs of ``Moves`` (a restore streaming into snapshots' room), read to count
+        them; ``headroom``: bytes kept free on each GPU of a job that declared its memory."""
+        if headroom < 0:
+            raise ValueError(f"the memory headroom must be at least 0 bytes, not {headroom}")
         self.capacities = capacities
+        self.headroom = headroom
+        self.streams = streams
         self.host = host
         self.pending: list[PendingAlloc] = []
         self._registry = registry
@@ -53,8 +74,58 @@ class MemoryLedger:
     # --- what the GPUs hold ----------------------------------------------------------
 
     def used(self, gpu: int) -> int:
-        jobs = self._registry.on_gpu.get(gpu, {}).values()
-        return sum(j.footprint.get(gpu, 0) for j in jobs if j.location.occupies_device)
+        """The bytes the jobs that occupy ``gpu`` count there; a streamed pair counts its larger side."""
+        jobs = self._registry.jobs
+        here = self._registry.on_gpu.get(gpu, {}).values()
+        total = sum(j.footprint.get(gpu, 0) for j in here if j.location.occupies_device)
+        for stream in self.streams.values():
+            incoming = jobs.get(stream.incoming)
+            if incoming is None or not incoming.location.occupies_device:
+                continue
+            out = sum(
+                jobs[o].footprint.get(gpu, 0) for o in stream.outgoing if o in jobs and jobs[o].location.occupies_device
+            )
+            total -= min(incoming.footprint.get(gpu, 0), out)
+        return total
+
+    def grown(self, gpu: int) -> int:
+        """What measurement (not a placement) added on ``gpu``: resident jobs measured past their declaration."""
+        here = self._registry.on_gpu.get(gpu, {}).values()
+        return sum(growth(j, gpu) for j in here if j.location.occupies_device)
+
+    def need(self, job: Job) -> dict[int, int]:
+        """gpu -> the free bytes ``job`` needs before it holds its group (``plan_room``).
+
+        A parked job needs its footprint, plus the headroom if it declared its memory (capped at
+        the GPU, so a job that fits alone is never refused for the headroom). A resident job that
+        declared needs the headroom free where measured growth left less (others park); any
+        other resident job needs nothing.
+        """
+        caps = self.capacities
+        if job.location is Location.PARKED:
+            pad = self.headroom if sized(job) else 0
+            return {gpu: n if n > caps[gpu] else min(n + pad, caps[gpu]) for gpu, n in job.footprint.items() if n}
+        if sized(job) and job.location is Location.RESIDENT:
+            short = {}
+            for gpu, own in job.footprint.items():
+                want = max(0, min(self.headroom, caps[gpu] - own))
+                if caps[gpu] - self.used(gpu) < want:
+                    short[gpu] = want
+            return short
+        return {}
+
+    def prefetchable(self, job: Job, now: float) -> bool:
+        """``job`` (parked, declared) may be restored now into free room beside everyone resident.
+
+        Only room that is free: every GPU keeps the headroom after it, nobody is parked for it,
+        and no job that must have its GPUs to itself shares them.
+        """
+        if not sized(job) or job.location is not Location.PARKED or job.faulted or job.exiting:
+            return False
+        caps = self.capacities
+        if any(n + self.headroom > caps[gpu] - self.used(gpu) for gpu, n in job.footprint.items() if n):
+            return False
+        return self.rivals(job, now) == []
 
     def fits(self, gpu: int, nbytes: int) -> bool:
         return nbytes <= self.capacities[gpu] - self.used(gpu)
@@ -75,7 +146,7 @@ class MemoryLedger:
         frees host memory). ``Refuse``: nothing under way will make the room (a faulted job keeps
         the memory, a park failed or does not fit the host's budget), so the waiter is told now.
         """
-        need = {gpu: n for gpu, n in job.footprint.items() if n} if job.location is Location.PARKED else {}
+        need = self.need(job)
         victims = self.plan_evictions(need, {job.name}, now) if need else []
         if victims is None:
             return self._no_room(job, need, now)
@@ -178,10 +249,10 @@ class MemoryLedger:
         for other in sorted(others.values(), key=lambda j: registry.rank[j.name]):
             if other is job or not other.location.occupies_device or other.faulted or other.exiting:
                 continue
-            if not (job.exclusive or other.exclusive) or not gpus & set(registry.groups[other.group].gpus):
+            if not (alone(job) or alone(other)) or not gpus & set(registry.groups[other.group].gpus):
                 continue
-            if not other.exclusive and not any(other.footprint.get(gpu) for gpu in gpus):
-                continue  # a sim job with nothing on these GPUs
+            if not alone(other) and not any(other.footprint.get(gpu) for gpu in gpus):
+                continue  # a sim job, or one that declared its memory, with nothing on these GPUs
             switching = any(g.switch is not None and g.switch.incoming == other.name for g in registry.groups.values())
             if registry.holds(other) or switching or other.location is not Location.RESIDENT:
                 busy.add(other.name)
@@ -281,6 +352,8 @@ class MemoryLedger:
         left = job.footprint.get(ev.gpu, 0) - ev.nbytes
         if left < 0:
             raise ValueError(f"job {ev.job!r} frees more on GPU {ev.gpu} than it holds")
+        if sized(job):
+            left = max(left, planned(job.declared, job.peak).get(ev.gpu, 0))  # never below what it declared
         self._journal.keep_dict(job.footprint)
         if left:
             job.footprint[ev.gpu] = left
@@ -298,6 +371,21 @@ class MemoryLedger:
             f"GPU {gpu}: cannot allocate {nbytes} bytes for job {job!r}: {cap - self.used(gpu)} of {cap} bytes free"
             + (f"; also on it: {', '.join(others)}" if others else "")
         )
+
+    def measured(self, job: Job, gpus: dict[int, int]) -> None:
+        """``job`` was seen to hold ``gpus`` (gpu -> bytes): keep its peak, and plan a declared job with it."""
+        if all(job.peak.get(g, 0) >= n for g, n in gpus.items()):
+            return
+        self._journal.fields(job, PEAK)
+        job.peak = {**job.peak, **{g: n for g, n in gpus.items() if n > job.peak.get(g, 0)}}
+        if sized(job):
+            # A declared job counts at least its declaration and its peak; what it allocated stays counted too.
+            floor = planned(job.declared, job.peak)
+            self._journal.fields(job, FOOTPRINT)
+            job.footprint = {g: max(job.footprint.get(g, 0), n) for g, n in floor.items()} | {
+                g: n for g, n in job.footprint.items() if g not in floor and n
+            }
+            self._registry.note_memory(job, job.footprint)
 
     def on(self, gpus: Iterable[int]) -> dict[int, int]:
         """Capacities of ``gpus`` that the ledger knows."""

@@ -63,6 +63,11 @@ class Job:
     location: Location = Location.RESIDENT
     footprint: dict[int, int] = field(default_factory=dict)  # gpu -> bytes
     exclusive: bool = False  # see JobRegistered.exclusive
+    # see JobRegistered.memory: gpu -> declared bytes; empty: none declared. A job that is exclusive and
+    # declared nothing has its GPUs to itself (``ledger.alone``); one that declared is ``ledger.sized``.
+    declared: dict[int, int] = field(default_factory=dict)
+    peak: dict[int, int] = field(default_factory=dict)  # gpu -> the most device memory it was measured to hold
+    placed: bool = False  # the scheduler restored or granted it: its footprint is where a plan put it
     faulted: str = ""  # why, if faulted: its state is damaged or unknown, and an operator must resume it
     exiting: bool = False
     freezes: bool = True  # see JobRegistered.freezes: it may be preempted

@@ -10,9 +10,12 @@ from .. import errors
 from .events import JobRegistered, SessionId
 from .ids import gpu_slot
 from .model import Group, Job
+from .residency import planned
 from .undo import Fields, Journal
 
 GPUS = Fields("gpus")
+DECLARED = Fields("declared")
+FOOTPRINT = Fields("footprint")
 LAST_HOLDER = Fields("last_holder")
 
 
@@ -79,6 +82,8 @@ class Registry:
             raise errors.BadRequest(f"job {ev.job!r} is already registered with another parking method")
         if not node_gpus:
             raise errors.UnknownDevice("this node has no GPUs")
+        memory = declared_memory(ev, here or gpus or node_gpus)
+        self._check_memory(ev.job, memory, job, here or gpus or node_gpus)
         journal = self._journal
         if group is None:
             group = self.add_group(ev.group, gpus or node_gpus, now)
@@ -87,6 +92,13 @@ class Registry:
             group.gpus = tuple(sorted(group.gpus + (gpus or node_gpus)))
         if job is None:
             job = self.add_job(Job(ev.job, ev.group, exclusive=ev.exclusive, freezes=ev.freezes))
+        if memory and any(job.declared.get(g) != n for g, n in memory.items()):
+            journal.fields(job, DECLARED)
+            job.declared = {**job.declared, **{g: n for g, n in memory.items() if n}}
+            if job.exclusive:
+                journal.fields(job, FOOTPRINT)
+                job.footprint = planned(job.declared, job.peak)
+                self.note_memory(job, job.footprint)
         journal.keep_set(job.sessions)
         journal.keep_set(job.pids)
         journal.keep_key(self.sessions, ev.session)
@@ -94,6 +106,36 @@ class Registry:
         job.pids.update(ev.pids)
         self.sessions[ev.session] = ev.job
         return {"job": job.name, "group": group.name, "gpus": list(group.gpus), "location": job.location.value}
+
+    def _check_memory(self, name: str, memory: dict[int, int] | None, job: Job | None, gpus: tuple[int, ...]) -> None:
+        """Raises ``BadRequest`` for a declaration of GPUs outside the job's, past a GPU's capacity,
+        or that disagrees with what the job declared before."""
+        if memory is None:
+            return
+        for gpu, n in sorted(memory.items()):
+            if gpu not in gpus:
+                raise errors.BadRequest(
+                    f"job {name!r} declares memory on GPU {gpu}, which is not one of its GPUs {list(gpus)}; "
+                    "declare memory only for the GPUs it registers"
+                )
+            if n < 0 or n > self.capacities[gpu]:
+                raise errors.BadRequest(
+                    f"job {name!r} declares {n} bytes on GPU {gpu}, which has {self.capacities[gpu]}; "
+                    "declare at most the GPU's memory"
+                )
+        if job is None:
+            return
+        if job.sessions and not job.declared:
+            raise errors.BadRequest(
+                f"job {name!r} is already registered without a memory declaration; register every "
+                "connection of a job with the same memory"
+            )
+        clash = sorted(g for g, n in memory.items() if g in job.declared and job.declared[g] != n)
+        if clash:
+            raise errors.BadRequest(
+                f"job {name!r} already declared {job.declared[clash[0]]} bytes on GPU {clash[0]}, not "
+                f"{memory[clash[0]]}; register every connection of a job with the same memory"
+            )
 
     def add_group(self, name: str, gpus: tuple[int, ...], now: float) -> Group:
         group = Group(name, gpus, created_at=now)
@@ -163,3 +205,11 @@ class Registry:
         if any(j.group == name for j in self.jobs.values()):
             raise ValueError(f"group {name!r} still has jobs")
         return self._journal.delete(self.groups, name)
+
+
+def declared_memory(ev: JobRegistered, gpus: tuple[int, ...]) -> dict[int, int] | None:
+    """What ``ev`` declares per GPU, ``memory_each`` spread over ``gpus`` (``memory`` on top); None: nothing."""
+    if ev.memory is None and ev.memory_each is None:
+        return None
+    each = {gpu: ev.memory_each for gpu in gpus} if ev.memory_each is not None else {}
+    return {**each, **(ev.memory or {})}

@@ -63,6 +63,7 @@ from .events import (
     HostMemoryRead,
     JobExited,
     JobRegistered,
+    MemoryMeasured,
     MemoryReleased,
     MemoryRequested,
     MoveFinished,
@@ -101,8 +102,18 @@ class Scheduler:
         *,
         max_waiters: int = 1024,
         policies: dict[str, SlicePolicy] | None = None,
+        memory_headroom: int = 0,
+        prefetch: bool = True,
+        stream_switches: bool = False,
     ) -> None:
-        """``policies``: group -> its ``SlicePolicy``; the key ``"*"`` is every other group's."""
+        """``policies``: group -> its ``SlicePolicy``; the key ``"*"`` is every other group's.
+
+        ``memory_headroom``: bytes kept free on each GPU of a job that declared its memory;
+        ``prefetch``: restore a held group's head waiter into free room before its turn;
+        ``stream_switches``: a restore that needs parked jobs' room starts with their snapshots,
+        streaming into the room as it frees (``RestoreJob.streams_with``). Raises ``ValueError``
+        for no GPUs or a negative headroom.
+        """
         if not capacities:
             raise ValueError("a scheduler needs at least one GPU")
         self._journal = journal = Journal()
@@ -113,12 +124,23 @@ class Scheduler:
         self.groups, self.jobs, self.sessions = self.registry.groups, self.registry.jobs, self.registry.sessions
         self.figures = Figures()
         self.host = HostLedger(self.registry, journal)
-        self.ledger = MemoryLedger(self.capacities, self.registry, self.host, journal, emit)
-        self.queues = LockQueues(self.registry, journal, emit, max_waiters)
         self.moves = Moves(self.registry, journal, emit)
+        self.ledger = MemoryLedger(
+            self.capacities, self.registry, self.host, journal, emit, self.moves.streams, memory_headroom
+        )
+        self.queues = LockQueues(self.registry, journal, emit, max_waiters)
         self.slices = SlicePolicies(dict(policies or {}))
         self.arbiter = Arbiter(
-            self.registry, self.queues, self.ledger, self.moves, self.slices, self.figures, journal, emit
+            self.registry,
+            self.queues,
+            self.ledger,
+            self.moves,
+            self.slices,
+            self.figures,
+            journal,
+            emit,
+            prefetch=prefetch,
+            stream=stream_switches,
         )
         self._rebuild = Rebuild(self.registry, self.ledger, self.queues, self.moves, journal)
         self._frozen: dict[str, str] = {}  # group -> why nothing may be granted in it now (GroupsFrozen)
@@ -131,6 +153,7 @@ class Scheduler:
             MemoryRequested: self._on_memory_requested,
             MemoryReleased: self._on_memory_released,
             MoveFinished: self._on_move_finished,
+            MemoryMeasured: self._on_memory_measured,
             JobExited: self._on_job_exited,
             ReclaimFinished: self._on_reclaim_finished,
             ForceReleaseRequested: self._on_force_release,
@@ -402,6 +425,14 @@ class Scheduler:
     def _on_memory_released(self, ev: MemoryReleased, now: float) -> None:
         self.ledger.release(ev)
 
+    def _on_memory_measured(self, ev: MemoryMeasured, now: float) -> None:
+        """Raises ``ValueError`` for a negative figure; a job that is gone is passed over."""
+        if any(n < 0 for n in ev.gpus.values()):
+            raise ValueError(f"job {ev.job!r} cannot hold a negative number of bytes")
+        job = self.jobs.get(ev.job)
+        if job is not None:
+            self.ledger.measured(job, {g: n for g, n in ev.gpus.items() if g in self.capacities})
+
     def _on_move_finished(self, ev: MoveFinished, now: float) -> None:
         move, cause = self.moves.finish(ev)  # raises ValueError for an unknown op
         job = self.jobs[move.job]
@@ -459,6 +490,7 @@ class Scheduler:
         move = self.moves.finish_reclaim(ev.op)  # raises ValueError for an unknown op
         self.host.unparked(self.jobs[move.job], now)  # its parked state is gone from its nodes' hosts
         self.registry.forget_job(move.job)
+        self.moves.forgotten(move.job)
 
     def _on_force_release(self, ev: ForceReleaseRequested, now: float) -> dict[str, Any]:
         group = self.registry.group(ev.group)

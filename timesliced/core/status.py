@@ -12,6 +12,7 @@ from .location import Location
 from .model import AUTO, Group, GroupState, Job
 from .phases import summary
 from .registry import Registry
+from .residency import over_declared
 from .slices import SlicePolicies
 
 
@@ -87,6 +88,9 @@ def _job(registry: Registry, host: HostLedger, j: Job, now: float) -> schema.Job
         "footprint": {str(k): v for k, v in sorted(j.footprint.items())},
         "parked_bytes": host.parked_bytes(j),
         "park_refused": refusal.reason if refusal is not None else None,
+        "declared": {str(k): v for k, v in sorted(j.declared.items())},
+        "peak": {str(k): v for k, v in sorted(j.peak.items())},
+        "over_declared_bytes": max(over_declared(j).values(), default=0),
         "slices": j.slices,
         "restores": j.restores,
         "snapshots": j.snapshots,

@@ -15,7 +15,7 @@ from .. import errors
 from ..cluster.asks import Acquire, Alloc, Cancel, Register, Release, Request
 from ..cluster.node import ClusterNode
 from ..core.history import History
-from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
+from ..wire.messages import arg_int, arg_int_list, arg_memory, arg_opt_float, arg_str
 from ..wire.park import FREEZING, ParkSpec
 from .authz import checked_pids
 from .directives import Directives
@@ -43,8 +43,11 @@ class ClientOps:
         freed: Callable[[str, int, int], None],
         status: Callable[[], Any],
         clock: Callable[[], float],
+        park_every_handoff: bool = False,
     ) -> None:
-        """``forward`` hands a request to the cluster core; ``freed(job, gpu, nbytes)`` tells it memory was freed."""
+        """``forward`` hands a request to the cluster core; ``freed(job, gpu, nbytes)`` tells it memory was freed;
+        ``park_every_handoff``: register every job as one that has its GPUs to itself (no co-residency)."""
+        self.park_every_handoff = park_every_handoff
         self.cluster = cluster
         self.parking = parking
         self.jobs = jobs
@@ -67,6 +70,7 @@ class ClientOps:
         gpus = arg_int_list(args, "gpus", max_len=64)
         job = arg_str(args, "job")
         group = arg_str(args, "group")
+        memory, memory_each = arg_memory(args)
         spec = ParkSpec.from_wire(args.get("park"), self.parking.default)
         self.parking.backend(spec.method)  # refuses a method this node cannot run
         known = self.jobs.park.get(job)
@@ -79,9 +83,12 @@ class ClientOps:
             group,
             gpus=None if gpus is None else tuple(gpus),
             pids=tuple(sorted(pids)),
-            exclusive=spec.method != "sim",
+            # --park-every-handoff: every job has its GPUs to itself, declared or not (systems without co-residency)
+            exclusive=spec.method != "sim" or self.park_every_handoff,
             extra={"session": conn.id, "park": spec.method},  # what the reply carries besides the core's answer
             freezes=spec.method in FREEZING,
+            memory=None if self.park_every_handoff else memory,
+            memory_each=None if self.park_every_handoff else memory_each,
         )
         result = self._forward(conn, request)
         self.jobs.park[job] = spec  # the same as before, or the job is not (yet) registered here

@@ -29,6 +29,7 @@ from ..config import DaemonConfig
 from ..core.election import Persist
 from ..core.events import DrainRequested, FaultCleared, ForceReleaseRequested
 from ..core.history import GroupView, History
+from ..core.residency import Options
 from ..metrics import Metrics
 from ..telemetry import MoveLog, SimGpuSource, Telemetry
 from ..util.compat import TaskGroup
@@ -84,6 +85,11 @@ class Daemon:
             max_waiters=config.max_waiters,
             op_timeout=config.op_timeout,
             policies=config.slice_policies,
+            residency=Options(
+                memory_headroom=config.memory_headroom,
+                prefetch=config.prefetch,
+                stream_switches=config.stream_switches,
+            ),
         )
         self.jobs = NodeJobs()
         self.journal = Journal(config.state_dir)
@@ -150,7 +156,10 @@ class Daemon:
             freed=lambda job, gpu, nbytes: self._step(self.cluster.freed, job, gpu, nbytes, self._now()),
             status=self.status,
             clock=self._now,
+            park_every_handoff=config.park_every_handoff,
         )
+        self._device_peaks: dict[str, dict[int, int]] = {}  # job -> the most device memory last told the scheduler
+        self._moves_running: dict[tuple[int, int, int], asyncio.Event] = {}  # key -> set once it ended
         self.web_url: str | None = None
         self._web: web.AppRunner | None = None
         self.started_loop = 0.0  # loop time at run()
@@ -203,6 +212,7 @@ class Daemon:
                 self._tasks = tasks
                 self._spawn(self._watch_processes())
                 self._spawn(self._watch_host())
+                self._spawn(self._watch_device_memory())
                 if self.config.lease:
                     self._spawn(self._watch_leases())
                 self._spawn(self.telemetry.run())
@@ -447,7 +457,7 @@ class Daemon:
             if self._stopping.is_set():
                 log.debug("stopping: %r is not started", effect)
             else:
-                self._spawn(self.mover.run(effect, self._target, self._move_finished))
+                self._spawn(self._run_move(effect))
         elif isinstance(effect, Allocate):
             self._allocate(effect)
         elif isinstance(effect, Noted):
@@ -481,6 +491,20 @@ class Daemon:
 
     def _target(self, job: str) -> JobTarget:
         return self.jobs.target(self.cluster, job)
+
+    async def _run_move(self, effect: RunMove) -> None:
+        """Carry out one move. A restore that streams into snapshots' room (``streams_with``) starts
+        once those snapshots ended: the sequential form of a streamed switch, the same outcome for
+        the scheduler (it counts the pair as one move either way)."""
+        done = self._moves_running.setdefault(effect.key, asyncio.Event())
+        try:
+            for key in effect.streams_with:
+                if (before := self._moves_running.get(key)) is not None:
+                    await before.wait()  # bounded: each snapshot ends within --op-timeout
+            await self.mover.run(effect, self._target, self._move_finished)
+        finally:
+            done.set()
+            self._moves_running.pop(effect.key, None)
 
     def _move_finished(
         self, key: tuple[int, int, int], ok: bool, nbytes: int, seconds: float, error: str, intact: bool, code: str
@@ -543,6 +567,47 @@ class Daemon:
             if spec.method == "sim" or (spec.method in ENGINES and spec.level == 2):
                 size = 0
             out.append(JobPlace(name, spec.method, target.pids, size))
+        return out
+
+    async def _watch_device_memory(self) -> None:
+        """Each second, tell the scheduler how much device memory this node's real jobs hold, when it grew.
+
+        Per GPU, the larger of NVML's per-process figures summed over the job's processes and what its
+        last move measured (offload registrations, an engine's figures). The scheduler keeps the peak and
+        plans jobs that declared their memory with it; a simulated job's memory is its own count already.
+        """
+        while True:
+            await asyncio.sleep(self.config.telemetry_interval)
+            for job, gpus in self._device_memory().items():
+                seen = self._device_peaks.setdefault(job, {})
+                grown = {g: n for g, n in gpus.items() if n > seen.get(g, 0)}
+                if grown:
+                    seen.update(grown)
+                    self._step(self.cluster.measured, job, dict(seen), self._now())
+            for gone in self._device_peaks.keys() - self.cluster.jobs.keys():
+                del self._device_peaks[gone]
+
+    def _device_memory(self) -> dict[str, dict[int, int]]:
+        per_pid: dict[int, dict[int, int]] = {}
+        nvml = self.parking.nvml
+        if nvml is not None:
+            try:
+                per_pid = nvml.process_memory()  # pid -> {gpu -> bytes}; raises BackendError / BackendUnavailable
+            except errors.TimeslicedError as exc:
+                log.debug("device memory: no process figures from NVML: %s", exc.message)
+        out: dict[str, dict[int, int]] = {}
+        for name, local in self.cluster.jobs.items():
+            spec = self.jobs.park.get(name)
+            if spec is None or spec.method == "sim" or local.gone:
+                continue
+            seen: dict[int, int] = {}
+            for pid in self.jobs.target(self.cluster, name).pids:
+                for gpu, n in per_pid.get(pid, {}).items():
+                    seen[gpu] = seen.get(gpu, 0) + n
+            moved = self.jobs.measured.get(name, {})
+            gpus = {g: max(seen.get(g, 0), moved.get(g, 0)) for g in seen.keys() | moved.keys()}
+            if any(gpus.values()):
+                out[name] = gpus
         return out
 
     async def _watch_host(self) -> None:

@@ -151,6 +151,37 @@ def arg_int_list(args: dict[str, Any], name: str, *, max_len: int = 1024) -> lis
     return list(value)
 
 
+EVERY_GPU = "*"  # the key of a ``memory`` declaration that stands for each of the job's GPUs
+MAX_DECLARED = 1 << 50  # bytes; past any GPU's memory, so a wrong figure is refused with the GPU's size
+
+
+def arg_memory(args: dict[str, Any], name: str = "memory") -> tuple[dict[int, int] | None, int | None]:
+    """A ``register``'s device memory declaration: ``{"*": bytes}`` (each of its GPUs) and/or
+    ``{"<gpu>": bytes, ...}``; returns (per GPU, for each GPU), both None when absent.
+
+    Raises ``BadRequest`` for anything else (bytes must be integers >= 1).
+    """
+    value = args.get(name)
+    if value is None:
+        return None, None
+    if not isinstance(value, dict) or not value or len(value) > 64:
+        raise BadRequest(f"argument '{name}' must map GPU numbers (or {EVERY_GPU!r} for each GPU) to bytes")
+    per_gpu: dict[int, int] = {}
+    each: int | None = None
+    for key, n in value.items():
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_DECLARED:
+            raise BadRequest(f"argument '{name}': {key!r} must map to a number of bytes >= 1, not {n!r}")
+        if key == EVERY_GPU:
+            each = n
+        elif isinstance(key, str) and key.isdecimal() and key.isascii() and len(key) <= 6:
+            per_gpu[int(key)] = n
+        else:
+            raise BadRequest(
+                f"argument '{name}': {key!r} is no GPU number; use the node's GPU numbers or {EVERY_GPU!r}"
+            )
+    return per_gpu or None, each
+
+
 def arg_str_list(args: dict[str, Any], name: str, *, max_len: int = 64, max_chars: int = 1024) -> list[str]:
     """A list of non-empty strings; absent or null is the empty list."""
     value = args.get(name)

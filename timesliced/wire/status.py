@@ -102,6 +102,9 @@ class JobFigures(JobPlace, total=False):
 
     parked_bytes: int  # host memory its parked state takes now (0 while resident), on every node
     park_refused: str | None  # why its last park failed with its state intact, while it is not tried again
+    declared: dict[str, int]  # GPU -> the device memory it declared (register ``memory=``); empty: none
+    peak: dict[str, int]  # GPU -> the most device memory it was measured to hold (NVML, offload, engines)
+    over_declared_bytes: int  # the most it was measured past its declaration on any GPU (0: within it)
     slices: int
     restores: int
     snapshots: int

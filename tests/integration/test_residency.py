@@ -1,0 +1,100 @@
+"""Co-residency end to end: a real daemon, real sim clients that declare their memory (``memory=``)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import timesliced
+from timesliced import errors
+from timesliced.config import DaemonConfig
+from timesliced.daemon.embedded import EmbeddedDaemon
+
+MiB = 1 << 20
+
+
+def started(tmp_path: Path, **kw: Any) -> EmbeddedDaemon:
+    config = DaemonConfig(
+        state_dir=tmp_path / "state",
+        backend="sim",
+        gpus=1,
+        gpu_memory=64 * MiB,
+        bandwidth=0,
+        pid_poll_interval=0.1,
+        memory_headroom=4 * MiB,
+        **kw,
+    )
+    d = EmbeddedDaemon(config)
+    d.start()
+    return d
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path
+    shutil.rmtree(tmp_path / "state", ignore_errors=True)
+
+
+def hand_off(daemon: EmbeddedDaemon) -> tuple[Any, Any, dict[str, Any]]:
+    """a holds with 8 MiB, b waits with 8 MiB; a yields. Returns b's grant, then a's again, and the status."""
+    with (
+        timesliced.Client(job="a", group="g", address=daemon.socket, memory="8MiB") as a,
+        timesliced.Client(job="b", group="g", address=daemon.socket, memory={0: 8 * MiB}) as b,
+    ):
+        a.acquire()
+        a.sim_alloc(8 * MiB)
+        a.release()
+        b.acquire()
+        b.sim_alloc(8 * MiB)
+        got: list[Any] = []
+        waiter = threading.Thread(target=lambda: got.append(a.acquire(timeout=10)))
+        waiter.start()
+        b.release()
+        waiter.join(10)
+        (a_grant,) = got
+        st = a.status()
+        a.release()
+        return b, a_grant, st
+
+
+def test_two_declared_jobs_hand_off_without_moving(state: Path) -> None:
+    daemon = started(state)
+    try:
+        _, grant, st = hand_off(daemon)
+        assert grant.restored is False  # b's memory and a's fit together: nothing moved
+        jobs = {j["job"]: j for j in st["jobs"]}
+        assert {j["location"] for j in jobs.values()} == {"resident"}
+        assert sum(j["bytes_moved"] for j in jobs.values()) == 0
+        assert jobs["a"]["declared"] == {"0": 8 * MiB} and jobs["b"]["declared"] == {"0": 8 * MiB}
+        assert jobs["a"]["over_declared_bytes"] == 0
+    finally:
+        daemon.stop()
+
+
+def test_park_every_handoff_parks_even_when_both_fit(state: Path) -> None:
+    """The comparison mode: the same workload moves at every handoff (so the test above can fail)."""
+    daemon = started(state, park_every_handoff=True)
+    try:
+        _, grant, st = hand_off(daemon)
+        assert grant.restored is True
+        assert sum(j["bytes_moved"] for j in st["jobs"]) > 0
+    finally:
+        daemon.stop()
+
+
+def test_a_wrong_declaration_is_refused_with_what_to_do(state: Path) -> None:
+    daemon = started(state)
+    try:
+        with pytest.raises(ValueError, match="size"):
+            timesliced.Client(job="a", group="g", address=daemon.socket, memory="lots")
+        c = timesliced.Client(job="a", group="g", address=daemon.socket, memory={3: "1GiB"})
+        with pytest.raises(errors.BadRequest, match="GPU 3"):
+            c.connect()
+        c.close()
+    finally:
+        daemon.stop()
