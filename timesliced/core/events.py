@@ -34,6 +34,10 @@ class JobRegistered:
     # preempted. False (offload, engines): parking unmaps memory under running kernels, so the job
     # may join no group that preempts.
     freezes: bool = True
+    # The group's queue policy (core/policy.py) reads these: ``priority`` orders waiters under
+    # ``priority`` (higher first), ``weight`` is the job's share of the group under ``fair``.
+    priority: int = 0
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ class AcquireRequested:
     session: SessionId
     request_id: int
     deadline: float | None = None
+    # A member of gang ``gang`` of ``members`` acquires (core/gangs.py): the gang's members, each in
+    # another group, are granted together or not at all.
+    gang: str | None = None
+    members: int = 0
 
 
 @dataclass(frozen=True)

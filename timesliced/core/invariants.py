@@ -8,13 +8,14 @@ from collections.abc import Mapping
 from .host import HOLDS_HOST
 from .ledger import MemoryLedger
 from .location import Location
-from .model import Wait
+from .model import Gang, Wait
 from .moves import Moves
 from .registry import Registry
 
 
-def check(registry: Registry, ledger: MemoryLedger, moves: Moves) -> None:
+def check(registry: Registry, ledger: MemoryLedger, moves: Moves, gangs: Mapping[str, Gang] | None = None) -> None:
     """Raise ``AssertionError`` if any invariant is broken."""
+    gangs = {} if gangs is None else gangs
     groups, jobs, sessions = registry.groups, registry.jobs, registry.sessions
     in_flight = moves.in_flight.values()
     moving = {m.job: m for m in in_flight if m.kind != "reclaim"}
@@ -31,7 +32,14 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves) -> None:
             assert not g.holder_sessions
         names = [w.job for w in g.queue]
         assert len(names) == len(set(names)), f"job queued twice in {g.name}: {names}"
-        assert all(a.enqueued_at <= b.enqueued_at for a, b in itertools.pairwise(g.queue)), "not FIFO"
+        # After the head (the policy's choice) the queue is in arrival order.
+        assert all(a.seq < b.seq for a, b in itertools.pairwise(g.queue[1:])), "not in arrival order"
+        for w in g.queue:
+            if w.gang is not None:
+                gang = gangs.get(w.gang)
+                assert gang is not None, f"{w.job} waits in {g.name} for a gang that is gone: {w.gang}"
+                assert len(w.tickets) == 1 and all(gang.members.get(t) == g.name for t in w.tickets), (g.name, w)
+                assert gang.seq is None or w.seq == gang.seq, (g.name, w, gang)
         assert all(w.tickets or w.kept_until is not None for w in g.queue), "empty waiter left in queue"
         assert g.holder not in names, "holder is also queued"
         for w in g.queue:
@@ -54,6 +62,14 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves) -> None:
     for m in in_flight:
         if m.kind == "reclaim":
             assert jobs[m.job].exiting
+    for name, gang in gangs.items():
+        # All or nothing: while a gang waits, every member it has waits, none holds.
+        assert gang.members and len(gang.members) <= gang.size, (name, gang)
+        assert gang.seq is None or len(gang.members) == gang.size, f"gang {name} granted in part: {gang}"
+        assert len(set(gang.members.values())) == len(gang.members), f"gang {name} twice in a group"
+        for ticket, group in gang.members.items():
+            w = next((w for w in groups[group].queue if ticket in w.tickets), None)
+            assert w is not None and w.gang == name, f"member {ticket} of gang {name} does not wait in {group}"
     for gpu, cap in ledger.capacities.items():
         assert ledger.used(gpu) <= cap, f"gpu {gpu} over capacity: {ledger.used(gpu)} > {cap}"
     for s, name in sessions.items():
@@ -82,6 +98,10 @@ def live(registry: Registry, ledger: MemoryLedger, frozen: Mapping[str, str], no
         head = g.queue[0]
         if not head.tickets:
             continue  # a kept turn: it lapses by itself
+        if head.gang is not None:
+            # A gang's member waits for the gang's other groups (or for its gang to be complete);
+            # gangs that share a group are chosen in one order everywhere, so that wait ends.
+            continue
         job = registry.jobs[head.job]
         if job.location.moving:
             continue  # parked by another group's switch: that move ends by itself

@@ -71,6 +71,8 @@ class Registry:
             raise errors.BadRequest(f"job {ev.job!r} is already registered with another parking method")
         if not node_gpus:
             raise errors.UnknownDevice("this node has no GPUs")
+        if not 0 < ev.weight < float("inf"):  # NaN fails both
+            raise errors.BadRequest(f"a job's weight must be a positive number, not {ev.weight!r}")
         journal = self._journal
         if group is None:
             group = self.add_group(ev.group, gpus or node_gpus, now)
@@ -78,7 +80,10 @@ class Registry:
             journal.fields(group, GPUS)
             group.gpus = tuple(sorted(group.gpus + (gpus or node_gpus)))
         if job is None:
-            job = self.add_job(Job(ev.job, ev.group, exclusive=ev.exclusive, freezes=ev.freezes))
+            job = self.add_job(
+                Job(ev.job, ev.group, exclusive=ev.exclusive, freezes=ev.freezes, priority=ev.priority, weight=ev.weight)
+            )
+        # else: the job's first registration fixed its priority and weight (its other processes need not repeat them)
         journal.keep_set(job.sessions)
         journal.keep_set(job.pids)
         journal.keep_key(self.sessions, ev.session)

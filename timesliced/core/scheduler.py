@@ -78,6 +78,7 @@ from .ledger import MemoryLedger, PendingAlloc
 from .location import Cause, Location
 from .model import AUTO, Group, GroupState, Job
 from .moves import Move, Moves
+from .policy import QueuePolicies, QueuePolicy
 from .queues import LockQueues
 from .rebuild import Rebuild
 from .registry import Registry
@@ -101,8 +102,10 @@ class Scheduler:
         *,
         max_waiters: int = 1024,
         policies: dict[str, SlicePolicy] | None = None,
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> None:
-        """``policies``: group -> its ``SlicePolicy``; the key ``"*"`` is every other group's."""
+        """``policies``: group -> its ``SlicePolicy``; ``queue_policies``: group -> its ``QueuePolicy``
+        (default ``fifo``); in both the key ``"*"`` is every other group's."""
         if not capacities:
             raise ValueError("a scheduler needs at least one GPU")
         self._journal = journal = Journal()
@@ -117,8 +120,17 @@ class Scheduler:
         self.queues = LockQueues(self.registry, journal, emit, max_waiters)
         self.moves = Moves(self.registry, journal, emit)
         self.slices = SlicePolicies(dict(policies or {}))
+        self.queue_policies = QueuePolicies(dict(queue_policies or {}))
         self.arbiter = Arbiter(
-            self.registry, self.queues, self.ledger, self.moves, self.slices, self.figures, journal, emit
+            self.registry,
+            self.queues,
+            self.ledger,
+            self.moves,
+            self.slices,
+            self.figures,
+            journal,
+            emit,
+            self.queue_policies,
         )
         self._rebuild = Rebuild(self.registry, self.ledger, self.queues, self.moves, journal)
         self._frozen: dict[str, str] = {}  # group -> why nothing may be granted in it now (GroupsFrozen)
@@ -235,14 +247,16 @@ class Scheduler:
 
     def describe(self, now: float) -> SchedulerPicture:
         """A plain-data picture of the scheduler for ``status`` and the dashboard (``wire.status``)."""
-        return status.describe(self.registry, self.ledger, self.slices, self._frozen, now)
+        return status.describe(
+            self.registry, self.ledger, self.slices, self._frozen, now, self.queue_policies, self.queues.gangs
+        )
 
     def check_invariants(self, now: float | None = None) -> None:
         """Raise ``AssertionError`` if any invariant is broken (used by tests).
 
         With ``now``, also that no free group's head is left waiting for nothing (``invariants.live``).
         """
-        invariants.check(self.registry, self.ledger, self.moves)
+        invariants.check(self.registry, self.ledger, self.moves, self.queues.gangs)
         if now is not None:
             invariants.live(self.registry, self.ledger, self._frozen, now)
 
@@ -347,11 +361,19 @@ class Scheduler:
         group = self.groups[job.group]
         ticket = (ev.session, ev.request_id)
         if group.holder == job.name:
+            if ev.gang is not None:
+                raise errors.BadRequest(
+                    f"job {job.name!r} holds group {group.name!r} already: a gang acquires groups its members "
+                    "do not hold; release it first"
+                )
             self.queues.join(group, ev.session)
             self._effects.append(GrantLock(group.name, job.name, group.fence, 0.0, 0.0, False, (ticket,), again=True))
             return
         if group.draining:
             raise errors.GroupDraining(f"group {group.name!r} is drained by an administrator; try again later")
+        if ev.gang is not None:
+            self.queues.join_gang(group, job.name, ticket, ev.deadline, ev.gang, ev.members, now)
+            return
         self.queues.enqueue(group, job.name, ticket, ev.deadline, now)
 
     def _on_cancel(self, ev: AcquireWithdrawn, now: float) -> dict[str, bool]:
