@@ -278,8 +278,9 @@ class Arbiter:
         A group can when it is free, not frozen or drained, its head is the gang's member (the
         policy chose it), and the member is resident with nothing in its way.
         """
-        self._journal.fields(gang, READY)
-        gang.ready = {**gang.ready, group.name: done}
+        if done[2] or group.name not in gang.ready:  # a switch's figures stay until the grant
+            self._journal.fields(gang, READY)
+            gang.ready = {**gang.ready, group.name: done}
         groups = self._registry.groups
         waiting = sorted(g for t, g in gang.members.items() if not self._member_ready(groups[g], t, gang, now))
         if waiting:
