@@ -199,3 +199,26 @@ def test_a_complete_gang_id_is_not_taken_again(harness: Make) -> None:
     h.acquire(s["trainer"], gang="g", members=2)  # done with: the id is free again
     h.acquire(s["sampler"], gang="g", members=2)
     assert grants(h) == {"t": "trainer", "s": "sampler"}
+
+
+def test_gangs_ranked_crossed_by_priority_do_not_deadlock(harness: Make) -> None:
+    """Under ``priority``, G1 ranks first in t (its trainer is higher) and G2 first in s: were both
+    chosen, each would wait for the other's group for ever. Only the gang complete first (G1) is a
+    candidate in a group both wait in, so G1 goes, then G2."""
+    h = harness(FOUR, queue_policies={"*": QueuePolicy("priority", aging_s=1000.0)})
+    holders = {"t": h.register("ht", "t", (0,)), "s": h.register("hs", "s", (1,))}
+    t_hi, t_lo = h.register("t_hi", "t", (0,), priority=5), h.register("t_lo", "t", (0,))
+    s_hi, s_lo = h.register("s_hi", "s", (1,), priority=5), h.register("s_lo", "s", (1,))
+    for s in holders.values():
+        h.acquire(s)
+    h.acquire(t_hi, gang="G1", members=2)
+    h.acquire(s_lo, gang="G1", members=2)
+    h.acquire(t_lo, gang="G2", members=2)
+    h.acquire(s_hi, gang="G2", members=2)
+    h.drain()
+    h.release(holders["t"])
+    h.release(holders["s"])
+    assert grants(h) == {"t": "t_hi", "s": "s_lo"}
+    h.release(t_hi)
+    h.release(s_lo)
+    assert grants(h) == {"t": "t_lo", "s": "s_hi"}
