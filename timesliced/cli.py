@@ -18,7 +18,7 @@ from typing import Any
 
 from . import errors
 from .cluster.discovery import DEFAULT_PEER_PORT, local_addresses, resolve_cluster
-from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_slice_policy
+from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_queue_policy, parse_slice_policy
 from .daemon.parking import CHOICES
 from .env import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV, TOKEN_ENV, default_state_dir, read_admin_token, read_token
 from .util.parse import parse_host_port, parse_size
@@ -189,6 +189,22 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
         "ACTION warn or preempt, default --slice-action",
     )
     slices.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="[GROUP=]NAME",
+        help="who of a group's waiters goes next: fifo (default), priority (higher first, FIFO among equals) "
+        "or fair (weighted share of the time held); repeatable, no GROUP: every group",
+    )
+    slices.add_argument(
+        "--aging",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="under priority and fair: waiting this long is worth one priority level, or one second of "
+        "weighted hold (bounds every waiter's wait)",
+    )
+    slices.add_argument(
         "--slice-action",
         choices=("warn", "preempt"),
         default="warn",
@@ -249,6 +265,10 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         )
     except ValueError as exc:
         raise SystemExit(f"timesliced: --max-slice: {exc}") from None
+    try:
+        config.queue_policies = dict(parse_queue_policy(s, args.aging) for s in args.policy)
+    except ValueError as exc:
+        raise SystemExit(f"timesliced: --policy: {exc}") from None
     if args.lease < 0 or args.recovery_grace < 0:
         raise SystemExit("timesliced: --lease and --recovery-grace must be >= 0 seconds")
     if args.web is None:

@@ -136,9 +136,7 @@ class Harness:
         )
         return sid
 
-    def acquire(
-        self, session: int, deadline: float | None = None, *, gang: str | None = None, members: int = 0
-    ) -> int:
+    def acquire(self, session: int, deadline: float | None = None, *, gang: str | None = None, members: int = 0) -> int:
         rid = self.rid()
         self.handle(AcquireRequested(session, rid, deadline, gang=gang, members=members))
         return rid

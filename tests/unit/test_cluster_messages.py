@@ -66,7 +66,7 @@ REPORT = NodeReport(
     sessions=(ReportedSession(4, "job-a", (11, 12)),),
     jobs=(ReportedJob("job-a", "pool", True, Location.PARKED, {0: 60}, "it broke", (0, 101), True),),
     holders=(ReportedHolder("pool", "job-a", 7, (4, 5)),),
-    waiting=(ReportedWait(4, 9, 12, 3, 2.5),),
+    waiting=(ReportedWait(4, 9, 12, 3, 2.5, "sync", 2),),
     fences={"pool": 7},
     turns=(ReportedTurn("job-a", -1, 0, 30.0),),
 )
@@ -83,7 +83,7 @@ SAMPLES: dict[str, PeerMessage] = {
     "report": Report(ERA, REPORT),
     "ready": Ready(ERA),
     "req register": Req(ERA, 1, Register(4, 9, "job-a", "pool", (0, 1), (11,), True, {"session": 4, "park": "sim"})),
-    "req acquire": Req(ERA, 2, Acquire(4, 10, 30.0)),
+    "req acquire": Req(ERA, 2, Acquire(4, 10, 30.0, "sync", 2)),
     "req cancel": Req(ERA, 3, Cancel(4, 11, 10)),
     "req release": Req(ERA, 4, Release(4, 12)),
     "req alloc": Req(ERA, 5, Alloc(4, 13, 1, 64, 60)),
@@ -107,7 +107,7 @@ SAMPLES: dict[str, PeerMessage] = {
 }
 PLAIN = {"result", "extra", "details", "data"}  # plain data: a peer passes it on to a client as it is
 KEYED = {"devices", "footprint", "fences", "pools", "members", "sizes", "source"}  # maps keyed by data, not names
-OPTIONAL = {"gpus", "timeout", "seq", "deadline_in", "limit"}  # fields that may be null
+OPTIONAL = {"gpus", "timeout", "seq", "deadline_in", "limit", "gang"}  # fields that may be null
 
 
 def wire(message: PeerMessage) -> dict[str, Any]:
@@ -151,7 +151,7 @@ def test_the_wire_keeps_its_keys() -> None:
         "era": [3, 2],
         "id": 2,
         "op": "acquire",
-        "args": {"conn": 4, "rid": 10, "timeout": 30.0},
+        "args": {"conn": 4, "rid": 10, "timeout": 30.0, "gang": "sync", "members": 2},
     }
     assert wire(SAMPLES["grant"]) == {
         "k": "grant",

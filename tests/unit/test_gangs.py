@@ -180,7 +180,9 @@ def test_bad_gang_acquires_change_nothing(harness: Make, setup: str, event: Acqu
         h.acquire(s["sampler"], gang="g", members=2)
         session = other
     h.drain()
-    h.fails(AcquireRequested(session, event.request_id, gang=event.gang, members=event.members), errors.BadRequest, match)
+    h.fails(
+        AcquireRequested(session, event.request_id, gang=event.gang, members=event.members), errors.BadRequest, match
+    )
 
 
 def test_a_complete_gang_id_is_not_taken_again(harness: Make) -> None:

@@ -52,6 +52,8 @@ class ShellBase:
         token: str | None = None,
         reconnect: float = 60.0,
         parked_access: str = "wait",
+        priority: int = 0,
+        weight: float = 1.0,
     ) -> None:
         if parked_access not in ("wait", "raise"):
             raise ValueError("parked_access must be 'wait' or 'raise'")
@@ -77,7 +79,7 @@ class ShellBase:
 
         self._core = ClientSession(
             job,
-            register_args(job, group, gpus, pids, park),
+            register_args(job, group, gpus, pids, park, priority=priority, weight=weight),
             hello_args(),
             address=str(self.address),
             auth=prove,

@@ -19,6 +19,7 @@ from typing import Any
 from .. import errors
 from ..core.election import Election
 from ..core.events import DrainRequested, FaultCleared, ForceReleaseRequested
+from ..core.policy import QueuePolicy
 from ..core.scheduler import Scheduler
 from ..core.slices import SlicePolicy
 from .asks import Notice, Request, WireError
@@ -41,6 +42,7 @@ class Leader:
         op_timeout: float,
         sync_timeout: float,
         policies: dict[str, SlicePolicy],
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> None:
         self.node_id = node_id
         self.members = members
@@ -50,6 +52,7 @@ class Leader:
         self.op_timeout = op_timeout
         self.sync_timeout = sync_timeout
         self.policies = policies
+        self.queue_policies = dict(queue_policies or {})
         self.orch: Orchestrator | None = None  # once the era is taken stock of
         self.linked: set[str] = set()  # peers whose link is up (they can answer a sync)
         self.reporters: set[str] = set()  # who reported in the current era
@@ -181,6 +184,7 @@ class Leader:
             op_timeout=self.op_timeout,
             fence_floor=self._fence_floor[1],
             policies=self.policies,
+            queue_policies=self.queue_policies,
         )
         if self._figures is not None:
             orch.scheduler.carry_figures(self._figures)

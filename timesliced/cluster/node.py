@@ -43,6 +43,7 @@ from ..core.events import DrainRequested, FaultCleared, ForceReleaseRequested
 from ..core.ids import gpu_slot, local_gpu
 from ..core.location import Cause, Location, moved
 from ..core.model import AUTO
+from ..core.policy import QueuePolicy
 from ..core.scheduler import Scheduler
 from ..core.slices import SlicePolicy
 from ..wire import status
@@ -113,6 +114,8 @@ class LocalJob:
     sessions: set[int] = field(default_factory=set)
     pids: set[int] = field(default_factory=set)
     freezes: bool = True  # its parking method stops its GPU work first (core JobRegistered.freezes)
+    priority: int = 0  # as registered (core JobRegistered.priority): the leader's queue policy reads it
+    weight: float = 1.0
 
 
 @dataclass
@@ -128,6 +131,8 @@ class Waiting:
     order: int
     deadline: float | None
     seq: int | None = None
+    gang: str | None = None  # a gang member's acquire (core AcquireRequested.gang)
+    members: int = 0
 
 
 @dataclass
@@ -161,6 +166,7 @@ class ClusterNode:
         op_timeout: float = 600.0,
         sync_timeout: float | None = None,
         policies: dict[str, SlicePolicy] | None = None,
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> None:
         members = tuple(sorted(members))
         if node_id not in members:
@@ -187,6 +193,7 @@ class ClusterNode:
             op_timeout=op_timeout,
             sync_timeout=sync_timeout if sync_timeout is not None else election_timeout[1],
             policies=dict(policies or {}),
+            queue_policies=dict(queue_policies or {}),
         )
         self.era: Era | None = None  # the era this node takes directions in
         self.leader: str | None = None  # who opened it
@@ -346,7 +353,9 @@ class ClusterNode:
         if isinstance(ask, Acquire) and job is not None:
             if queued:
                 deadline = None if ask.timeout is None else now + ask.timeout
-                self.waiting[(ask.conn, ask.rid)] = Waiting(next(self._order), deadline)
+                self.waiting[(ask.conn, ask.rid)] = Waiting(
+                    next(self._order), deadline, gang=ask.gang, members=ask.members
+                )
             self.turns.pop(job, None)
         elif isinstance(ask, Release) and job is not None:
             self._let_go(ask.conn, job)
@@ -607,7 +616,12 @@ class ClusterNode:
 
     def _take_registered(self, ask: Register, result: Registered) -> None:
         """The job, as this node knows it from now on (the leader registered it)."""
-        job = self.jobs.setdefault(ask.job, LocalJob(ask.job, ask.group, ask.exclusive, (), freezes=ask.freezes))
+        job = self.jobs.setdefault(
+            ask.job,
+            LocalJob(
+                ask.job, ask.group, ask.exclusive, (), freezes=ask.freezes, priority=ask.priority, weight=ask.weight
+            ),
+        )
         job.span = result.gpus
         job.sessions.add(ask.conn)
         job.pids.update(ask.pids)
@@ -658,12 +672,22 @@ class ClusterNode:
                     tuple(j.span),
                     j.gone,
                     j.freezes,
+                    j.priority,
+                    j.weight,
                 )
                 for j in self.jobs.values()
             ),
             holders=tuple(ReportedHolder(g, h.job, h.fence, tuple(sorted(h.conns))) for g, h in self.holders.items()),
             waiting=tuple(
-                ReportedWait(conn, rid, w.seq, w.order, None if w.deadline is None else max(0.0, w.deadline - now))
+                ReportedWait(
+                    conn,
+                    rid,
+                    w.seq,
+                    w.order,
+                    None if w.deadline is None else max(0.0, w.deadline - now),
+                    w.gang,
+                    w.members,
+                )
                 for (conn, rid), w in self.waiting.items()
             ),
             fences={g: f for g, (_, f) in self.fences.items()},
@@ -819,6 +843,8 @@ class ClusterNode:
                     "faulted": j.faulted,
                     "pids": sorted(j.pids),
                     "freezes": j.freezes,
+                    "priority": j.priority,
+                    "weight": j.weight,
                 }
                 for j in self.jobs.values()
                 if not j.gone
@@ -842,6 +868,7 @@ class ClusterNode:
                 job.footprint = {int(g): int(n) for g, n in j["footprint"].items()}
                 job.faulted, job.pids = str(j["faulted"]), set(j["pids"])
                 job.freezes = bool(j.get("freezes", True))  # journals of the release before it: every job froze
+                job.priority, job.weight = int(j.get("priority", 0)), float(j.get("weight", 1.0))
                 jobs[job.name] = job
             turns = {job: Turn(int(seq), now + keep_turns_for) for job, seq in picture["turns"].items() if job in jobs}
             fences = {group: (int(term), int(fence)) for group, (term, fence) in picture["fences"].items()}

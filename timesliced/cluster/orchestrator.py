@@ -55,6 +55,7 @@ from ..core.events import (
 from ..core.ids import GPU_STRIDE, global_gpu, global_session, gpu_slot, local_conn, local_gpu, session_slot
 from ..core.location import Location
 from ..core.model import AUTO
+from ..core.policy import QueuePolicy
 from ..core.scheduler import Scheduler
 from ..core.slices import SlicePolicy
 from . import rebuild as steps
@@ -78,7 +79,7 @@ from .messages import Allotted, Era, Failed, FromLeader, Grant, GrantInfo, Move,
 from .report import NodeReport
 
 # notices that also go to the log and the history
-NOTED = ("faulted", "slice_overdue", "preempted", "move_failed", "resumed")
+NOTED = ("faulted", "slice_overdue", "preempted", "move_failed", "resumed", "policy")
 MOVE_GRACE_S = 5.0  # on top of the node's own operation timeout, for the messages
 MOVE_KINDS: dict[type[Effect], str] = {SnapshotJob: "snapshot", RestoreJob: "restore", ReclaimJob: "reclaim"}
 
@@ -121,9 +122,12 @@ class Orchestrator:
         max_waiters: int = 1024,
         op_timeout: float = 600.0,
         policies: dict[str, SlicePolicy] | None = None,
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> None:
         self.era = era
-        self.scheduler = Scheduler(capacities, max_waiters=max_waiters, policies=policies)
+        self.scheduler = Scheduler(
+            capacities, max_waiters=max_waiters, policies=policies, queue_policies=queue_policies
+        )
         self.op_timeout = op_timeout
         self.job_nodes: dict[str, set[int]] = {}  # job -> slots where it has sessions or state
         self.gone: dict[str, set[int]] = {}  # job -> slots whose processes of it are all gone
@@ -151,6 +155,7 @@ class Orchestrator:
         op_timeout: float = 600.0,
         fence_floor: dict[str, int] | None = None,
         policies: dict[str, SlicePolicy] | None = None,
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> tuple[Orchestrator, list[str]]:
         """The orchestrator of a new era from the nodes' reports (slot -> report).
 
@@ -160,7 +165,14 @@ class Orchestrator:
         (inconsistent reports), for the log; those pieces are left out. Nothing exists but what it returns.
         """
         capacities = {global_gpu(s, g): cap for s, r in reports.items() for g, cap in r.devices.items()}
-        orch = cls(era, capacities, max_waiters=max_waiters, op_timeout=op_timeout, policies=policies)
+        orch = cls(
+            era,
+            capacities,
+            max_waiters=max_waiters,
+            op_timeout=op_timeout,
+            policies=policies,
+            queue_policies=queue_policies,
+        )
         orch.offline = set(missing)
         orch.fence_floor = dict(fence_floor or {})
         with orch._input():  # its first: should it raise, nobody ever sees this orchestrator
@@ -192,7 +204,7 @@ class Orchestrator:
                     if ask.rid == AUTO:
                         raise errors.BadRequest(f"request id {AUTO} is reserved")
                     deadline = None if ask.timeout is None else now + ask.timeout
-                    self._feed(AcquireRequested(session, ask.rid, deadline), now)
+                    self._feed(AcquireRequested(session, ask.rid, deadline, ask.gang, ask.members), now)
                     self.send(slot, Queued(self.era, ask.conn, ask.rid, next(self._seq)))
                     return None
                 case Cancel():
@@ -277,6 +289,8 @@ class Orchestrator:
             exclusive=ask.exclusive,
             slot=slot,
             freezes=ask.freezes,
+            priority=ask.priority,
+            weight=ask.weight,
         )
         group = self.scheduler.groups.get(ask.group)
         before = group.gpus if group is not None else ()

@@ -41,6 +41,8 @@ class ReportedJob(Wire):
     span: Annotated[tuple[int, ...], Seq(Int())]
     gone: Annotated[bool, Flag()] = False
     freezes: Annotated[bool, Flag()] = True
+    priority: Annotated[int, Int(-1_000_000, 1_000_000)] = 0  # as registered: the leader's queue policy reads it
+    weight: Annotated[float, Float()] = 1.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class ReportedWait(Wire):
     seq: Annotated[int | None, Optional(Int())]
     order: Annotated[int, Int()]
     deadline_in: Annotated[float | None, Optional(Float())]
+    gang: Annotated[str | None, Optional(NAME)] = None  # a gang member's acquire: queued again as one
+    members: Annotated[int, Int(0, 64)] = 0
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from . import policy as queue_policy
 from ..errors import TimeslicedError
+from . import policy as queue_policy
 from .events import Effect, GrantLock, NotifyJob
 from .figures import Figures
 from .ledger import MemoryLedger
 from .location import Location
 from .model import Gang, Group, Refuse, Switch, Wait, Waiter
 from .moves import Moves
+from .policy import QueuePolicies, Standing
 from .queues import BLOCKED, LockQueues
 from .registry import Registry
-from .policy import QueuePolicies, Standing
 from .slices import SlicePolicies
 from .undo import Fields, Journal
 

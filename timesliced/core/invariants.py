@@ -68,8 +68,8 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves, gangs: Mapping
         assert gang.seq is None or len(gang.members) == gang.size, f"gang {name} granted in part: {gang}"
         assert len(set(gang.members.values())) == len(gang.members), f"gang {name} twice in a group"
         for ticket, group in gang.members.items():
-            w = next((w for w in groups[group].queue if ticket in w.tickets), None)
-            assert w is not None and w.gang == name, f"member {ticket} of gang {name} does not wait in {group}"
+            place = next((w for w in groups[group].queue if ticket in w.tickets), None)
+            assert place is not None and place.gang == name, f"member {ticket} of gang {name} does not wait in {group}"
     for gpu, cap in ledger.capacities.items():
         assert ledger.used(gpu) <= cap, f"gpu {gpu} over capacity: {ledger.used(gpu)} > {cap}"
     for s, name in sessions.items():

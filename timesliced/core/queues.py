@@ -218,7 +218,9 @@ class LockQueues:
 
     # --- gangs -----------------------------------------------------------------------
 
-    def join_gang(self, group: Group, job: str, ticket: Ticket, deadline: float | None, name: str, size: int, now: float) -> None:
+    def join_gang(
+        self, group: Group, job: str, ticket: Ticket, deadline: float | None, name: str, size: int, now: float
+    ) -> None:
         """``ticket`` of ``job`` waits in ``group`` as a member of gang ``name`` of ``size``.
 
         The member waits apart until the gang is complete; then every member moves to the tail
@@ -233,7 +235,9 @@ class LockQueues:
             if gang.seq is not None:
                 raise errors.BadRequest(f"gang {name!r} is complete already; acquire with a new gang id")
             if gang.size != size:
-                raise errors.BadRequest(f"gang {name!r} has {gang.size} members, not {size}: give every member the same")
+                raise errors.BadRequest(
+                    f"gang {name!r} has {gang.size} members, not {size}: give every member the same"
+                )
             if group.name in gang.members.values():
                 raise errors.BadRequest(
                     f"gang {name!r} already has a member in group {group.name!r}: each member acquires another group"

@@ -81,7 +81,9 @@ class Registry:
             group.gpus = tuple(sorted(group.gpus + (gpus or node_gpus)))
         if job is None:
             job = self.add_job(
-                Job(ev.job, ev.group, exclusive=ev.exclusive, freezes=ev.freezes, priority=ev.priority, weight=ev.weight)
+                Job(
+                    ev.job, ev.group, exclusive=ev.exclusive, freezes=ev.freezes, priority=ev.priority, weight=ev.weight
+                )
             )
         # else: the job's first registration fixed its priority and weight (its other processes need not repeat them)
         journal.keep_set(job.sessions)

@@ -296,9 +296,13 @@ class Scheduler:
         footprint: dict[int, int],
         faulted: str = "",
         freezes: bool = True,
+        priority: int = 0,
+        weight: float = 1.0,
     ) -> None:
         """A job the nodes report, with where its state lives and what it holds on each GPU."""
-        self._step(self._rebuild.adopt_job, name, group, exclusive, location, footprint, faulted, freezes)
+        self._step(
+            self._rebuild.adopt_job, name, group, exclusive, location, footprint, faulted, freezes, priority, weight
+        )
 
     def adopt_holder(self, group: str, job: str, sessions: set[SessionId], fence: int, now: float) -> None:
         """``job`` holds ``group`` through ``sessions`` under ``fence`` (granted by an earlier leader)."""

@@ -15,7 +15,7 @@ from .. import errors
 from ..cluster.asks import Acquire, Alloc, Cancel, Register, Release, Request
 from ..cluster.node import ClusterNode
 from ..core.history import History
-from ..wire.messages import arg_int, arg_int_list, arg_opt_float, arg_str
+from ..wire.messages import arg_gang, arg_int, arg_int_list, arg_opt_float, arg_priority, arg_str, arg_weight
 from ..wire.park import FREEZING, ParkSpec
 from .authz import checked_pids
 from .directives import Directives
@@ -67,6 +67,7 @@ class ClientOps:
         gpus = arg_int_list(args, "gpus", max_len=64)
         job = arg_str(args, "job")
         group = arg_str(args, "group")
+        priority, weight = arg_priority(args), arg_weight(args)
         spec = ParkSpec.from_wire(args.get("park"), self.parking.default)
         self.parking.backend(spec.method)  # refuses a method this node cannot run
         known = self.jobs.park.get(job)
@@ -82,6 +83,8 @@ class ClientOps:
             exclusive=spec.method != "sim",
             extra={"session": conn.id, "park": spec.method},  # what the reply carries besides the core's answer
             freezes=spec.method in FREEZING,
+            priority=priority,
+            weight=weight,
         )
         result = self._forward(conn, request)
         self.jobs.park[job] = spec  # the same as before, or the job is not (yet) registered here
@@ -89,7 +92,8 @@ class ClientOps:
         return result
 
     def acquire(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._forward(conn, Acquire(conn.id, rid, arg_opt_float(args, "timeout")))
+        gang, members = arg_gang(args)
+        return self._forward(conn, Acquire(conn.id, rid, arg_opt_float(args, "timeout"), gang, members))
 
     def cancel(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         return self._forward(conn, Cancel(conn.id, rid, arg_int(args, "request")))

@@ -84,6 +84,7 @@ class Daemon:
             max_waiters=config.max_waiters,
             op_timeout=config.op_timeout,
             policies=config.slice_policies,
+            queue_policies=config.queue_policies,
         )
         self.jobs = NodeJobs()
         self.journal = Journal(config.state_dir)
