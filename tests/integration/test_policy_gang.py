@@ -69,6 +69,9 @@ def test_priority_goes_first_and_status_shows_it(daemon: EmbeddedDaemon) -> None
         h.release()
         waits[1].join(10)
         assert high.lock.holding and not low.lock.holding
+        assert daemon.daemon is not None
+        logged = [e for e in daemon.daemon.history.events if e.kind == "policy"]
+        assert [(e.group, e.job) for e in logged] == [("g", "high")] and "before 'low'" in logged[0].detail
         high.release()
         waits[0].join(10)
         assert low.lock.holding

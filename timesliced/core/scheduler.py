@@ -8,7 +8,8 @@ the shell when to call ``handle_timers(now)``.
 runs it as one step, and owns the effect buffer. The concerns, one module each:
 
 - ``registry``: sessions, jobs and groups by name, and registration;
-- ``queues``: each group's holder and FIFO of waiters, request deadlines, kept turns;
+- ``queues``: each group's holder and queue of waiters, request deadlines, kept turns, gangs;
+- ``policy``: who of a group's waiters goes next (``fifo``, ``priority``, ``fair``);
 - ``ledger``: capacities, footprints, eviction plans, allocations waiting for snapshots;
 - ``host``: the host memory parked state takes on each node, and the admission of parks against it;
 - ``moves``: snapshots, restores and reclaims in flight, and every change of a job's location
@@ -25,7 +26,9 @@ is rolled back from those notes; figures are counted, and effects kept, only onc
 Invariants (``check_invariants``), kept after every input:
 
 - a group has at most one holding job, and that job is resident and not faulted;
-- each group's queue is in arrival order (FIFO) and holds a job at most once;
+- each group's queue holds a job at most once and, after its head (the choice of the
+  group's queue policy, ``policy``), is in arrival order; a gang that waits has every member
+  waiting and none holding (``queues``: gangs are granted whole, in one step);
   a faulted or exiting job never waits (its waiters are failed at once); a
   place without requests is a turn kept for a job whose daemon restarted, and
   it lapses at its deadline;

@@ -443,9 +443,9 @@ class Daemon:
             log.debug("grant %s fence %d to %s (restored=%s)", g.group, g.fence, g.job, g.restored)
             self.metrics.observe_grant(g.group, g.waited_s, g.switch_s, g.switched)
         elif isinstance(effect, Noted):
-            level = logging.INFO if effect.kind == "leader" else logging.WARNING
+            level = logging.INFO if effect.kind in ("leader", "policy") else logging.WARNING
             log.log(level, "%s%s", f"job {effect.job!r}: " if effect.job else "", effect.text)
-            if effect.kind in ("faulted", "slice_overdue", "preempted", "move_failed"):
+            if effect.kind in ("faulted", "slice_overdue", "preempted", "move_failed", "policy"):
                 local = self.cluster.jobs.get(effect.job or "")
                 group = effect.group or (local.group if local else None)
                 self.history.record(effect.kind, self._now(), group=group, job=effect.job, detail=effect.text)
