@@ -53,7 +53,8 @@ class Arbiter:
         policies: QueuePolicies | None = None,
     ) -> None:
         self.policies = policies or QueuePolicies({})
-        self._frozen: Mapping[str, str] = {}
+        # The scheduler's frozen groups, read when a gang's grant looks at its other groups.
+        self.frozen: Callable[[], Mapping[str, str]] = dict
         self._registry = registry
         self._queues = queues
         self._ledger = ledger
@@ -65,7 +66,6 @@ class Arbiter:
 
     def advance_all(self, now: float, frozen: Mapping[str, str]) -> None:
         """Advance every group but the ``frozen`` ones (a node they span is out of reach)."""
-        self._frozen = frozen  # a gang grants no member in a frozen group either
         for group in self._registry.groups.values():
             if group.name not in frozen:
                 self.advance(group, now)
@@ -254,6 +254,8 @@ class Arbiter:
         """The group's policy's choice, made its head; a choice other than arrival order is told."""
         registry, queues = self._registry, self._queues
         policy = self.policies.policy(group.name)
+        if policy.name == "fifo" and not queues.gangs:
+            return group.queue[0]  # arrival order, and nothing waits apart: the head it always was
         chosen, first = queue_policy.choose(policy, group, registry.jobs, queues.gangs)
         if chosen is None or first is None:
             return None
@@ -294,7 +296,7 @@ class Arbiter:
             self._grant_one(member, now, switch_s=switch_s, restored=restored, switched=switched)
 
     def _member_ready(self, group: Group, ticket: tuple[int, int], gang: Gang, now: float) -> bool:
-        if group.holder is not None or group.switch is not None or group.draining or group.name in self._frozen:
+        if group.holder is not None or group.switch is not None or group.draining or group.name in self.frozen():
             return False
         if not group.queue or ticket not in group.queue[0].tickets or group.name not in gang.ready:
             return False

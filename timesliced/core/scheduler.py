@@ -135,6 +135,7 @@ class Scheduler:
             emit,
             self.queue_policies,
         )
+        self.arbiter.frozen = lambda: self._frozen
         self._rebuild = Rebuild(self.registry, self.ledger, self.queues, self.moves, journal)
         self._frozen: dict[str, str] = {}  # group -> why nothing may be granted in it now (GroupsFrozen)
         self._handlers: dict[type, Callable[[Any, float], Any]] = {
