@@ -180,11 +180,23 @@ def a_gang_completes_and_is_granted_whole(h: Harness) -> Step:
     t, s = on_gpu(h, "trainer", "t", 0, 50, release=True), on_gpu(h, "sampler", "s", 1, 50, release=True)
     for group, gpu in (("t", 0), ("s", 1)):
         on_gpu(h, f"rival-{group}", group, gpu, 60, release=True)  # parks the member there
-        for snap in [e for e in h.drain() if isinstance(e, SnapshotJob)]:
-            h.finish(snap, nbytes=50)
+        for op in list(h.s.moves.in_flight):
+            h.handle(MoveFinished(op, True, 50, 0.1))
         h.drain()
     h.acquire(t, gang="sync", members=2)
     return lambda h: h.s.handle(AcquireRequested(s, 99, 10.0, gang="sync", members=2), h.now)
+
+
+def the_last_members_restore_grants_the_gang(h: Harness) -> Step:
+    a_gang_completes_and_is_granted_whole(h)(h)
+    h.s.check_invariants(h.now)
+    for op in list(h.s.moves.in_flight):  # the rivals' parks: the members' restores start
+        h.handle(MoveFinished(op, True, 60, 0.1))
+    restores = sorted(h.s.moves.in_flight)
+    assert len(restores) == 2 and h.holder("t") is None
+    h.handle(MoveFinished(restores[0], True, 50, 0.1))
+    h.drain()
+    return lambda h: h.s.handle(MoveFinished(restores[1], True, 50, 0.1), h.now)
 
 
 def a_gang_is_withdrawn_by_a_closed_session(h: Harness) -> Step:
@@ -202,7 +214,11 @@ def a_release_under_priority_passes_the_first_waiter(h: Harness) -> Step:
     return lambda h: h.s.handle(ReleaseRequested(a), h.now)
 
 
-for _gang in (a_gang_completes_and_is_granted_whole, a_gang_is_withdrawn_by_a_closed_session):
+for _gang in (
+    a_gang_completes_and_is_granted_whole,
+    the_last_members_restore_grants_the_gang,
+    a_gang_is_withdrawn_by_a_closed_session,
+):
     _gang.capacities = {0: 100, 1: 100}  # type: ignore[attr-defined]
 a_release_under_priority_passes_the_first_waiter.queue_policies = {"*": QueuePolicy("priority")}  # type: ignore[attr-defined]
 
@@ -223,6 +239,7 @@ SCENARIOS: list[Callable[[Harness], Step]] = [
     timers_expire_an_acquire_and_preempt_the_holder,
     a_new_leader_settles_a_half_parked_job,
     a_gang_completes_and_is_granted_whole,
+    the_last_members_restore_grants_the_gang,
     a_gang_is_withdrawn_by_a_closed_session,
     a_release_under_priority_passes_the_first_waiter,
 ]
