@@ -487,6 +487,8 @@ def format_status(status: dict[str, Any]) -> str:
                 f"      max slice={g['max_slice_s']:g}s then {g['slice_action']}{overdue}  "
                 f"preemptions={g.get('preemptions', 0)}"
             )
+        if g.get("policy") not in (None, "fifo"):
+            lines.append(f"      policy {g['policy']} (aging {g.get('aging_s', 0):g}s)")
         if g.get("waiting_for"):
             lines.append(f"      next waits for {g['waiting_for']}")
     if not status["groups"]:
@@ -526,11 +528,16 @@ def format_status(status: dict[str, Any]) -> str:
 
 
 def _queue_mark(waiter: dict[str, Any]) -> str:
+    marks = []
     if waiter.get("preempted"):
-        return ", preempted"
+        marks.append("preempted")
     if waiter.get("kept_for_s") is not None:
-        return f", turn kept {waiter['kept_for_s']:.0f}s"
-    return ""
+        marks.append(f"turn kept {waiter['kept_for_s']:.0f}s")
+    if waiter.get("gang"):
+        marks.append(f"gang {waiter['gang']}")
+    if waiter.get("effective_priority") is not None:
+        marks.append(f"priority {waiter['effective_priority']:.2f}")
+    return "".join(f", {m}" for m in marks)
 
 
 if __name__ == "__main__":
