@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .client import AsyncClient, Client, Grant
+from .client.gang import gang, gang_async
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
@@ -66,4 +67,6 @@ __all__ = [
     "ProtocolError",
     "TimeslicedError",
     "__version__",
+    "gang",
+    "gang_async",
 ]

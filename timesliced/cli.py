@@ -18,7 +18,7 @@ from typing import Any
 
 from . import errors
 from .cluster.discovery import DEFAULT_PEER_PORT, local_addresses, resolve_cluster
-from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_slice_policy
+from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_queue_policy, parse_slice_policy
 from .daemon.parking import CHOICES
 from .env import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV, TOKEN_ENV, default_state_dir, read_admin_token, read_token
 from .sim import DEFAULT_BANDWIDTH
@@ -284,6 +284,22 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
         "ACTION warn or preempt, default --slice-action",
     )
     slices.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="[GROUP=]NAME",
+        help="who of a group's waiters goes next: fifo (default), priority (higher first, FIFO among equals) "
+        "or fair (weighted share of the time held); repeatable, no GROUP: every group",
+    )
+    slices.add_argument(
+        "--aging",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="under priority and fair: waiting this long is worth one priority level, or one second of "
+        "weighted hold (bounds every waiter's wait)",
+    )
+    slices.add_argument(
         "--slice-action",
         choices=("warn", "preempt"),
         default="warn",
@@ -347,6 +363,10 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         )
     except ValueError as exc:
         raise SystemExit(f"timesliced: --max-slice: {exc}") from None
+    try:
+        config.queue_policies = dict(parse_queue_policy(s, args.aging) for s in args.policy)
+    except ValueError as exc:
+        raise SystemExit(f"timesliced: --policy: {exc}") from None
     if args.lease < 0 or args.recovery_grace < 0:
         raise SystemExit("timesliced: --lease and --recovery-grace must be >= 0 seconds")
     if args.web is None:
@@ -670,6 +690,8 @@ def format_status(status: dict[str, Any]) -> str:
                 f"      max slice={g['max_slice_s']:g}s then {g['slice_action']}{overdue}  "
                 f"preemptions={g.get('preemptions', 0)}"
             )
+        if g.get("policy") not in (None, "fifo"):
+            lines.append(f"      policy {g['policy']} (aging {g.get('aging_s', 0):g}s)")
         if g.get("waiting_for"):
             lines.append(f"      next waits for {g['waiting_for']}")
     if not status["groups"]:
@@ -716,11 +738,16 @@ def format_status(status: dict[str, Any]) -> str:
 
 
 def _queue_mark(waiter: dict[str, Any]) -> str:
+    marks = []
     if waiter.get("preempted"):
-        return ", preempted"
+        marks.append("preempted")
     if waiter.get("kept_for_s") is not None:
-        return f", turn kept {waiter['kept_for_s']:.0f}s"
-    return ""
+        marks.append(f"turn kept {waiter['kept_for_s']:.0f}s")
+    if waiter.get("gang"):
+        marks.append(f"gang {waiter['gang']}")
+    if waiter.get("effective_priority") is not None:
+        marks.append(f"priority {waiter['effective_priority']:.2f}")
+    return "".join(f", {m}" for m in marks)
 
 
 if __name__ == "__main__":

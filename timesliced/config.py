@@ -11,6 +11,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .core.policy import AGING_S, QueuePolicy
 from .core.slices import SlicePolicy
 from .env import default_sim_dir, default_socket_path, default_state_dir
 from .sim import DEFAULT_BANDWIDTH
@@ -53,6 +54,15 @@ def parse_slice_policy(text: str, action: str = "warn", grace: float = 10.0) -> 
         return (group if sep else "*"), SlicePolicy(float(seconds), named or action, grace)
     except ValueError as exc:
         raise ValueError(f"not a maximum slice: {text!r} ({exc}; examples: 300, trainers=300:preempt)") from None
+
+
+def parse_queue_policy(text: str, aging_s: float = AGING_S) -> tuple[str, QueuePolicy]:
+    """``"fair"`` (every group) or ``"trainers=priority"`` -> (group or "*", policy)."""
+    group, sep, name = text.rpartition("=")
+    try:
+        return (group if sep else "*"), QueuePolicy(name, aging_s)
+    except ValueError as exc:
+        raise ValueError(f"not a queue policy: {text!r} ({exc}; examples: fair, trainers=priority)") from None
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,8 @@ class DaemonConfig:
     cluster: ClusterConfig | None = None  # None: a single daemon, its own leader
     # group -> how long a holder may keep it while others wait ("*": every other group)
     slice_policies: dict[str, SlicePolicy] = field(default_factory=dict)
+    # group -> who of its waiters goes next ("*": every other group; default fifo)
+    queue_policies: dict[str, QueuePolicy] = field(default_factory=dict)
     lease: float = 30.0  # a client connection silent this long is closed (clients send heartbeats); 0: never
     # Host memory for parked state (daemon/host_memory.py): a budget for all of it on this node (None: what
     # the host and its cgroups allow, less the margin), the margin (None: 5% of the host's memory, 512 MiB

@@ -131,11 +131,18 @@ class EvolvingSource:
                             "requests": 1,
                             "preempted": i == 0 and name == "pool",
                             "kept_for_s": 12.0 if i == 1 else None,
+                            "priority": 0,
+                            "weight": 1.0,
+                            "share_s": 0.0,
+                            "effective_priority": None,
+                            "gang": None,
                         }
                         for i, (j, t) in enumerate(self.queue[name])
                     ],
                     "max_slice_s": 300.0 if name == "pool" else None,
                     "slice_action": "preempt" if name == "pool" else None,
+                    "policy": "fifo",
+                    "aging_s": 60.0,
                     "overdue_s": 4.0 if name == "pool" and holder else None,
                     "preemptions": 2 if name == "pool" else 0,
                     "switching_to": None,

@@ -43,6 +43,7 @@ from timesliced.core.host import HostLedger
 from timesliced.core.ledger import MemoryLedger
 from timesliced.core.location import Location
 from timesliced.core.moves import Moves
+from timesliced.core.policy import QueuePolicy
 from timesliced.core.queues import LockQueues
 from timesliced.core.registry import Registry
 from timesliced.core.scheduler import Scheduler
@@ -61,8 +62,11 @@ class Harness:
         *,
         max_waiters: int = 1024,
         policies: dict[str, SlicePolicy] | None = None,
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> None:
-        self.s = Scheduler(capacities or {0: 100}, max_waiters=max_waiters, policies=policies)
+        self.s = Scheduler(
+            capacities or {0: 100}, max_waiters=max_waiters, policies=policies, queue_policies=queue_policies
+        )
         self.now = 0.0
         self._next_session = 1
         self._next_rid = 1
@@ -123,14 +127,18 @@ class Harness:
         *,
         exclusive: bool = False,
         freezes: bool = True,
+        priority: int = 0,
+        weight: float = 1.0,
     ) -> int:
         sid = self.session()
-        self.handle(JobRegistered(sid, job, group, gpus, pids, exclusive, freezes=freezes))
+        self.handle(
+            JobRegistered(sid, job, group, gpus, pids, exclusive, freezes=freezes, priority=priority, weight=weight)
+        )
         return sid
 
-    def acquire(self, session: int, deadline: float | None = None) -> int:
+    def acquire(self, session: int, deadline: float | None = None, *, gang: str | None = None, members: int = 0) -> int:
         rid = self.rid()
-        self.handle(AcquireRequested(session, rid, deadline))
+        self.handle(AcquireRequested(session, rid, deadline, gang=gang, members=members))
         return rid
 
     def cancel(self, session: int, rid: int) -> Any:
@@ -209,6 +217,8 @@ def core_state(s: Scheduler, now: float) -> tuple[Any, ...]:
         plain(s.host.nodes),
         sorted(s.queues.deadlines),  # a heap: its order is its own
         plain(s._frozen),
+        s.queues.seq,
+        plain(s.queues.gangs),
     )
 
 

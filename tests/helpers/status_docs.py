@@ -160,6 +160,8 @@ def group(name: str, gpus: list[int], **fields: Any) -> schema.Group:
         "overdue_s": None,
         "max_slice_s": None,
         "slice_action": None,
+        "policy": "fifo",
+        "aging_s": 60.0,
         "preemptions": 0,
         "switching_to": None,
         "draining": False,
@@ -235,9 +237,28 @@ def host_reading(*, available: int, room: int, **fields: Any) -> schema.HostRead
 
 
 def place(
-    job: str, waited_s: float, requests: int = 1, *, kept_for_s: float | None = None, preempted: bool = False
+    job: str,
+    waited_s: float,
+    requests: int = 1,
+    *,
+    kept_for_s: float | None = None,
+    preempted: bool = False,
+    priority: int = 0,
+    effective_priority: float | None = None,
+    gang: str | None = None,
 ) -> schema.QueuePlace:
-    return {"job": job, "waited_s": waited_s, "requests": requests, "kept_for_s": kept_for_s, "preempted": preempted}
+    return {
+        "job": job,
+        "waited_s": waited_s,
+        "requests": requests,
+        "kept_for_s": kept_for_s,
+        "preempted": preempted,
+        "priority": priority,
+        "weight": 1.0,
+        "share_s": 0.0,
+        "effective_priority": effective_priority,
+        "gang": gang,
+    }
 
 
 # --- whole documents ----------------------------------------------------------------------
@@ -279,12 +300,14 @@ def dashboard_status() -> dict[str, Any]:
                 "held_s": 12.5,
                 "fence": 7,
                 "queue": [
-                    place("rl-math", 3.25, preempted=True),
-                    place("rl-code", 1.5, 2, kept_for_s=12.0),
+                    place("rl-math", 3.25, preempted=True, priority=2, effective_priority=2.05),
+                    place("rl-code", 1.5, 2, kept_for_s=12.0, effective_priority=0.025),
                 ],
                 "frozen": None,
                 "max_slice_s": 300.0,
                 "slice_action": "preempt",
+                "policy": "priority",
+                "aging_s": 60.0,
                 "overdue_s": 4.0,
                 "preemptions": 2,
                 "switching_to": None,
@@ -447,6 +470,8 @@ def metrics_status() -> dict[str, Any]:
                 "overdue_s": None,
                 "max_slice_s": None,
                 "slice_action": None,
+                "policy": "fifo",
+                "aging_s": 60.0,
                 "preemptions": 0,
                 "frozen": None,
                 "switching_to": None,

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from timesliced.core.policy import QueuePolicy
 from timesliced.core.slices import SlicePolicy
 
 from ..helpers.harness import Harness
@@ -13,7 +14,7 @@ from ..helpers.harness import Harness
 
 @pytest.fixture
 def harness() -> Iterator[Callable[..., Harness]]:
-    """A factory: ``harness(capacities, max_waiters=..., policies=...)``."""
+    """A factory: ``harness(capacities, max_waiters=..., policies=..., queue_policies=...)``."""
     made: list[Harness] = []
 
     def make(
@@ -21,8 +22,9 @@ def harness() -> Iterator[Callable[..., Harness]]:
         *,
         max_waiters: int = 1024,
         policies: dict[str, SlicePolicy] | None = None,
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> Harness:
-        h = Harness(capacities, max_waiters=max_waiters, policies=policies)
+        h = Harness(capacities, max_waiters=max_waiters, policies=policies, queue_policies=queue_policies)
         made.append(h)
         return h
 

@@ -33,6 +33,8 @@ def job(name: str, group: str, location: str, footprint: dict[str, int], span: l
         "freezes": kw.get("freezes", True),
         "memory": kw.get("memory"),
         "memory_each": kw.get("memory_each"),
+        "priority": kw.get("priority", 0),
+        "weight": kw.get("weight", 1.0),
     }
 
 
@@ -121,14 +123,14 @@ def test_rebuild_keeps_the_holder_its_fence_and_the_queue_in_the_old_order() -> 
             [job("A", "g", "resident", {"0": 40}, span), job("B", "g", "parked", {"0": 40}, span)],
             [(1, "A"), (2, "B")],
             holders=[{"group": "g", "job": "A", "fence": 7, "conns": [1]}],
-            waiting=[{"conn": 2, "rid": 5, "seq": 12, "order": 1, "deadline_in": None}],
+            waiting=[{"conn": 2, "rid": 5, "seq": 12, "order": 1, "deadline_in": None, "gang": None, "members": 0}],
             fences={"g": 7},
         ),
         1: report(
             [job("C", "g", "parked", {"0": 40}, span), job("A", "g", "resident", {}, span)],
             [(1, "C"), (2, "A")],
             holders=[{"group": "g", "job": "A", "fence": 7, "conns": [2]}],
-            waiting=[{"conn": 1, "rid": 9, "seq": 11, "order": 4, "deadline_in": 30.0}],
+            waiting=[{"conn": 1, "rid": 9, "seq": 11, "order": 4, "deadline_in": 30.0, "gang": None, "members": 0}],
             fences={"g": 7},
         ),
     }
@@ -144,7 +146,9 @@ def test_rebuild_keeps_the_holder_its_fence_and_the_queue_in_the_old_order() -> 
 
 def test_rebuild_freezes_groups_on_a_node_that_did_not_report() -> None:
     reports = {0: report([job("A", "g", "parked", {"0": 40}, [0, 200])], [(1, "A")])}
-    reports[0]["waiting"] = [{"conn": 1, "rid": 1, "seq": None, "order": 1, "deadline_in": None}]
+    reports[0]["waiting"] = [
+        {"conn": 1, "rid": 1, "seq": None, "order": 1, "deadline_in": None, "gang": None, "members": 0}
+    ]
     orch, _ = Orchestrator.rebuild(ERA, reports_of(reports), [2], NOW)
     assert orch.scheduler.frozen("g")
     assert messages(orch, "move") == [] and messages(orch, "grant") == []  # nothing moves, nothing granted
@@ -157,7 +161,7 @@ def test_rebuild_parks_a_half_switched_job_before_granting_it() -> None:
         1: report(
             [job("A", "g", "resident", {"0": 60}, span)],
             [(1, "A")],
-            waiting=[{"conn": 1, "rid": 1, "seq": 3, "order": 1, "deadline_in": None}],
+            waiting=[{"conn": 1, "rid": 1, "seq": 3, "order": 1, "deadline_in": None, "gang": None, "members": 0}],
         ),
     }
     orch, _ = Orchestrator.rebuild(ERA, reports_of(reports), [], NOW)
@@ -177,7 +181,9 @@ def test_rebuild_continues_fences_above_what_any_node_saw() -> None:
     reports = {
         0: report([job("A", "g", "resident", {}, [0])], [(1, "A")], fences={"g": 41}),
     }
-    reports[0]["waiting"] = [{"conn": 1, "rid": 1, "seq": None, "order": 1, "deadline_in": None}]
+    reports[0]["waiting"] = [
+        {"conn": 1, "rid": 1, "seq": None, "order": 1, "deadline_in": None, "gang": None, "members": 0}
+    ]
     orch, _ = Orchestrator.rebuild(ERA, reports_of(reports), [], NOW, fence_floor={"g": 50})
     ((_, grant),) = messages(orch, "grant")
     assert grant["info"]["fence"] == 51 and grant["info"]["term"] == ERA[0] and grant["era"] == list(ERA)

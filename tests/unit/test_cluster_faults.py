@@ -190,6 +190,8 @@ def report(waiting: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         "freezes": True,
         "memory": None,
         "memory_each": None,
+        "priority": 0,
+        "weight": 1.0,
     }
     return {
         "devices": {"0": 100},
@@ -220,6 +222,8 @@ REGISTER_C = req(
         "freezes": True,
         "memory": None,
         "memory_each": None,
+        "priority": 0,
+        "weight": 1.0,
     },
 )
 
@@ -242,7 +246,7 @@ def test_a_rebuild_that_fails_changes_nothing(monkeypatch: pytest.MonkeyPatch) -
     [
         (REGISTER_C, "global_session"),
         (REGISTER_C, "_gpu"),
-        (req("acquire", {"conn": 1, "rid": 2, "timeout": None}), "global_session"),
+        (req("acquire", {"conn": 1, "rid": 2, "timeout": None, "gang": None, "members": 0}), "global_session"),
         ({"k": "note", "op": "freed", "args": {"job": "B", "gpu": 0, "nbytes": 40}, "era": [1, 1]}, "_gpu"),
     ],
     ids=["register/session", "register/gpus", "acquire", "freed"],
@@ -266,13 +270,13 @@ def test_a_leader_that_fails_after_its_scheduler_stepped_takes_stock_again(monke
     era = n.lead.orch.era
     monkeypatch.setattr(orchestrator, "Queued", broken)  # after the acquire was queued
     with pytest.raises(Injected):
-        n.receive("b", req("acquire", {"conn": 1, "rid": 2, "timeout": None}), 2.2)
+        n.receive("b", req("acquire", {"conn": 1, "rid": 2, "timeout": None, "gang": None, "members": 0}), 2.2)
     assert not n.leading and n.lead._collect_era == (era[0], era[1] + 1)  # that state is dropped
     syncs = [e for e in n.drain() if isinstance(e, Send) and isinstance(e.message, Sync)]
     assert sorted(s.to for s in syncs) == ["b", "c"] and any("broke on a bug" in p for p in n.problems)
     monkeypatch.undo()
     # b answers the new era's sync with its report, the acquire in it: it is granted from there
-    waiting = [{"conn": 1, "rid": 2, "seq": None, "order": 1, "deadline_in": None}]
+    waiting = [{"conn": 1, "rid": 2, "seq": None, "order": 1, "deadline_in": None, "gang": None, "members": 0}]
     n.receive("b", {"k": "report", "report": report(waiting), "era": [era[0], era[1] + 1]}, 2.3)
     assert n.leading and n.scheduler is not None
     n.scheduler.check_invariants()

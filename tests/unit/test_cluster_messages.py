@@ -71,7 +71,7 @@ REPORT = NodeReport(
         ),
     ),
     holders=(ReportedHolder("pool", "job-a", 7, (4, 5)),),
-    waiting=(ReportedWait(4, 9, 12, 3, 2.5),),
+    waiting=(ReportedWait(4, 9, 12, 3, 2.5, "sync", 2),),
     fences={"pool": 7},
     turns=(ReportedTurn("job-a", -1, 0, 30.0),),
 )
@@ -103,7 +103,7 @@ SAMPLES: dict[str, PeerMessage] = {
             memory_each=2048,
         ),
     ),
-    "req acquire": Req(ERA, 2, Acquire(4, 10, 30.0)),
+    "req acquire": Req(ERA, 2, Acquire(4, 10, 30.0, "sync", 2)),
     "req cancel": Req(ERA, 3, Cancel(4, 11, 10)),
     "req release": Req(ERA, 4, Release(4, 12)),
     "req alloc": Req(ERA, 5, Alloc(4, 13, 1, 64, 60)),
@@ -138,7 +138,16 @@ KEYED = {
     "source",
     "memory",
 }  # maps keyed by data, not names
-OPTIONAL = {"gpus", "timeout", "seq", "deadline_in", "limit", "memory", "memory_each"}  # fields that may be null
+OPTIONAL = {
+    "gpus",
+    "timeout",
+    "seq",
+    "deadline_in",
+    "limit",
+    "memory",
+    "memory_each",
+    "gang",
+}  # fields that may be null
 
 
 def wire(message: PeerMessage) -> dict[str, Any]:
@@ -182,7 +191,7 @@ def test_the_wire_keeps_its_keys() -> None:
         "era": [3, 2],
         "id": 2,
         "op": "acquire",
-        "args": {"conn": 4, "rid": 10, "timeout": 30.0},
+        "args": {"conn": 4, "rid": 10, "timeout": 30.0, "gang": "sync", "members": 2},
     }
     assert wire(SAMPLES["grant"]) == {
         "k": "grant",

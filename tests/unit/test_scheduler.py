@@ -967,7 +967,21 @@ def test_describe(h: Harness) -> None:
     picture = h.s.describe(h.now)
     (group,) = picture["groups"]
     assert group["holder"] == "A" and group["held_s"] == 4.0 and group["state"] == "locked"
-    assert group["queue"] == [{"job": "B", "waited_s": 4.0, "requests": 1, "kept_for_s": None, "preempted": False}]
+    assert group["queue"] == [
+        {
+            "job": "B",
+            "waited_s": 4.0,
+            "requests": 1,
+            "kept_for_s": None,
+            "preempted": False,
+            "priority": 0,
+            "weight": 1.0,
+            "share_s": 0.0,
+            "effective_priority": None,
+            "gang": None,
+        }
+    ]
+    assert group["policy"] == "fifo"
     assert group["lock_duty"] == 1.0
     (device,) = picture["devices"]
     assert device == {"index": 0, "capacity": 100, "used": 10, "jobs": {"A": {"bytes": 10, "location": "resident"}}}

@@ -27,6 +27,7 @@ from timesliced.core.events import (
     SessionClosed,
     SnapshotJob,
 )
+from timesliced.core.policy import QueuePolicy
 from timesliced.core.slices import SlicePolicy
 from timesliced.core.undo import Fields, Journal
 
@@ -162,6 +163,66 @@ def a_new_leader_settles_a_half_parked_job(h: Harness) -> Step:
     return lambda h: h.s.settle("A", h.now, {0: 60})  # parked everywhere, it owns its whole footprint
 
 
+def on_gpu(h: Harness, job: str, group: str, gpu: int, nbytes: int = 0, *, release: bool = False) -> int:
+    """``job`` of ``group`` (on ``gpu`` alone) holds, with ``nbytes`` there; then yields if ``release``."""
+    sid = h.register(job, group, (gpu,))
+    h.acquire(sid)
+    if nbytes:
+        h.alloc(sid, nbytes, gpu)
+    if release:
+        h.release(sid)
+    h.drain()
+    return sid
+
+
+def a_gang_completes_and_is_granted_whole(h: Harness) -> Step:
+    """Both pools switch for the gang: the last member's acquire parks the idle rivals' state."""
+    t, s = on_gpu(h, "trainer", "t", 0, 50, release=True), on_gpu(h, "sampler", "s", 1, 50, release=True)
+    for group, gpu in (("t", 0), ("s", 1)):
+        on_gpu(h, f"rival-{group}", group, gpu, 60, release=True)  # parks the member there
+        for op in list(h.s.moves.in_flight):
+            h.handle(MoveFinished(op, True, 50, 0.1))
+        h.drain()
+    h.acquire(t, gang="sync", members=2)
+    return lambda h: h.s.handle(AcquireRequested(s, 99, 10.0, gang="sync", members=2), h.now)
+
+
+def the_last_members_restore_grants_the_gang(h: Harness) -> Step:
+    a_gang_completes_and_is_granted_whole(h)(h)
+    h.s.check_invariants(h.now)
+    for op in list(h.s.moves.in_flight):  # the rivals' parks: the members' restores start
+        h.handle(MoveFinished(op, True, 60, 0.1))
+    restores = sorted(h.s.moves.in_flight)
+    assert len(restores) == 2 and h.holder("t") is None
+    h.handle(MoveFinished(restores[0], True, 50, 0.1))
+    h.drain()
+    return lambda h: h.s.handle(MoveFinished(restores[1], True, 50, 0.1), h.now)
+
+
+def a_gang_is_withdrawn_by_a_closed_session(h: Harness) -> Step:
+    t, s = h.register("trainer", "t", (0,)), h.register("sampler", "s", (1,))
+    on_gpu(h, "rival", "s", 1, 10)
+    h.acquire(t, 5.0, gang="sync", members=2)
+    h.acquire(s, gang="sync", members=2)
+    return lambda h: h.s.handle(SessionClosed(t), h.now)
+
+
+def a_release_under_priority_passes_the_first_waiter(h: Harness) -> Step:
+    a = on_gpu(h, "A", "p", 0, 30)
+    for job, prio in (("B", 0), ("C", 2)):
+        h.acquire(h.register(job, "p", (0,), priority=prio))
+    return lambda h: h.s.handle(ReleaseRequested(a), h.now)
+
+
+for _gang in (
+    a_gang_completes_and_is_granted_whole,
+    the_last_members_restore_grants_the_gang,
+    a_gang_is_withdrawn_by_a_closed_session,
+):
+    _gang.capacities = {0: 100, 1: 100}  # type: ignore[attr-defined]
+a_release_under_priority_passes_the_first_waiter.queue_policies = {"*": QueuePolicy("priority")}  # type: ignore[attr-defined]
+
+
 SCENARIOS: list[Callable[[Harness], Step]] = [
     acquire_granted_at_once,
     acquire_that_parks_the_idle_holder,
@@ -177,6 +238,10 @@ SCENARIOS: list[Callable[[Harness], Step]] = [
     holder_exited_with_waiters_and_an_allocation,
     timers_expire_an_acquire_and_preempt_the_holder,
     a_new_leader_settles_a_half_parked_job,
+    a_gang_completes_and_is_granted_whole,
+    the_last_members_restore_grants_the_gang,
+    a_gang_is_withdrawn_by_a_closed_session,
+    a_release_under_priority_passes_the_first_waiter,
 ]
 POLICIES = {"*": SlicePolicy(4.0, "preempt", grace=0.0)}
 
@@ -195,7 +260,8 @@ def run_with_faults(
     """Fail the scenario's step at each of its calls in turn: what went wrong, and where the faults hit."""
 
     def build() -> tuple[Harness, Step]:
-        h = harness({0: 100}, policies=POLICIES)
+        capacities = getattr(scenario, "capacities", {0: 100})
+        h = harness(capacities, policies=POLICIES, queue_policies=getattr(scenario, "queue_policies", None))
         step = scenario(h)
         h.drain()
         return h, step

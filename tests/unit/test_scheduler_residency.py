@@ -11,6 +11,7 @@ from timesliced.core.events import (
     RestoreJob,
     SnapshotJob,
 )
+from timesliced.core.policy import QueuePolicy
 from timesliced.core.scheduler import Scheduler
 
 from ..helpers.harness import Harness, kinds, one_grant, only
@@ -307,3 +308,20 @@ def test_the_invariant_catches_a_pair_counted_as_a_sum() -> None:
     else:
         raise AssertionError("a GPU at 130 of 100 passed the invariants")
     assert GrantLock  # imported for the effects above
+
+
+def test_prefetch_looks_at_the_waiter_the_queue_policy_grants_next() -> None:
+    h = Harness({0: 100})
+    h.s = Scheduler({0: 100}, memory_headroom=5, queue_policies={"*": QueuePolicy("priority", aging_s=1000.0)})
+    sids = {}
+    for job, priority in (("A", 0), ("B", 0), ("C", 5)):
+        sids[job] = h.session()
+        h.handle(JobRegistered(sids[job], job, "g", None, (), exclusive=True, memory={0: 20}, priority=priority))
+    h.acquire(sids["A"])
+    assert one_grant(h.drain()).job == "A"
+    h.acquire(sids["B"])
+    h.acquire(sids["C"])
+    group = h.s.groups["g"]
+    assert [w.job for w in group.queue] == ["B", "C"]  # arrival order
+    chosen = h.s.arbiter.next_waiter(group)
+    assert chosen is not None and chosen.job == "C"  # the higher priority, as the grant at the yield will be

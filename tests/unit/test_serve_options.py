@@ -6,6 +6,7 @@ import pytest
 
 from timesliced.cli import build_parser, config_from_args
 from timesliced.config import DaemonConfig, parse_crash_points
+from timesliced.core.policy import QueuePolicy
 from timesliced.core.slices import SlicePolicy
 
 
@@ -29,6 +30,18 @@ def test_max_slice_for_every_group_and_for_one() -> None:
 def test_a_bad_max_slice_is_refused_with_its_text(bad: str) -> None:
     with pytest.raises(SystemExit, match=r"--max-slice: not a maximum slice"):
         config("--max-slice", bad)
+
+
+def test_queue_policies_for_every_group_and_for_one() -> None:
+    assert config().queue_policies == {}  # every group fifo
+    c = config("--policy", "fair", "--policy", "trainers=priority", "--aging", "30")
+    assert c.queue_policies == {"*": QueuePolicy("fair", 30.0), "trainers": QueuePolicy("priority", 30.0)}
+
+
+@pytest.mark.parametrize("argv", [("--policy", "lottery"), ("--policy", "g="), ("--policy", "fair", "--aging", "0")])
+def test_a_bad_policy_is_refused_with_its_text(argv: tuple[str, ...]) -> None:
+    with pytest.raises(SystemExit, match=r"--policy: not a queue policy"):
+        config(*argv)
 
 
 def test_lease_and_grace_must_not_be_negative() -> None:

@@ -436,3 +436,41 @@ def test_random_bytes_only_raise_protocol_errors(chunks: list[bytes], max_frame:
                     parse(m)
                 except errors.ProtocolError:
                     pass
+
+
+# --- register's priority and weight, acquire's gang ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [({}, (0, 1.0, None, 0)), ({"priority": -3, "weight": 2, "gang": "g", "members": 2}, (-3, 2.0, "g", 2))],
+)
+def test_policy_and_gang_args(args: dict[str, object], expected: tuple[object, ...]) -> None:
+    from timesliced.wire.messages import arg_gang, arg_priority, arg_weight
+
+    assert (arg_priority(args), arg_weight(args), *arg_gang(args)) == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"priority": 1.5}, "priority"),
+        ({"priority": True}, "priority"),
+        ({"priority": 10**7}, "priority"),
+        ({"weight": 0}, "weight"),
+        ({"weight": float("nan")}, "weight"),
+        ({"weight": "2"}, "weight"),
+        ({"gang": "g"}, "members"),
+        ({"members": 2}, "gang"),
+        ({"gang": "", "members": 2}, "gang"),
+        ({"gang": "g", "members": 65}, "members"),
+    ],
+)
+def test_bad_policy_and_gang_args_are_refused(args: dict[str, object], match: str) -> None:
+    from timesliced.errors import BadRequest
+    from timesliced.wire.messages import arg_gang, arg_priority, arg_weight
+
+    with pytest.raises(BadRequest, match=match):
+        arg_priority(args)
+        arg_weight(args)
+        arg_gang(args)

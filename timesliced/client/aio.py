@@ -81,9 +81,10 @@ class AsyncClient(ShellBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def acquire(self, timeout: float | None = None) -> Grant:
-        """Wait for the group's lock. See ``Client.acquire``."""
-        grant: Grant = await self._wait(self._submit(functools.partial(self._core.acquire, timeout)))
+    async def acquire(self, timeout: float | None = None, *, gang: str | None = None, members: int = 0) -> Grant:
+        """Wait for the group's lock. See ``Client.acquire`` (gangs too)."""
+        start = functools.partial(self._core.acquire, timeout, gang=gang, members=members)
+        grant: Grant = await self._wait(self._submit(start))
         return grant
 
     async def release(self) -> dict[str, Any]:

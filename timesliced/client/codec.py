@@ -113,11 +113,22 @@ def lease_of(hello: Any) -> float | None:
     return float(lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) and lease > 0 else None
 
 
-def acquire_args(timeout: float | None) -> dict[str, Any]:
-    """Raises ``ValueError`` for a negative timeout."""
+MAX_GANG = 64  # members of one gang (the daemon refuses more)
+
+
+def acquire_args(timeout: float | None, gang: str | None = None, members: int = 0) -> dict[str, Any]:
+    """Raises ``ValueError`` for a negative timeout, or a gang without an id or a size of 1 to 64."""
     if timeout is not None and not timeout >= 0:
         raise ValueError("timeout must be >= 0 or None")
-    return {"timeout": timeout}
+    if gang is None:
+        if members:
+            raise ValueError("members is a gang's size: give the gang's id too")
+        return {"timeout": timeout}
+    if not isinstance(gang, str) or not 0 < len(gang) <= 256:
+        raise ValueError("gang must be a non-empty string of at most 256 characters, the same for every member")
+    if not isinstance(members, int) or isinstance(members, bool) or not 1 <= members <= MAX_GANG:
+        raise ValueError(f"members must be the gang's size, 1 to {MAX_GANG}")
+    return {"timeout": timeout, "gang": gang, "members": members}
 
 
 def result_of(reply: Reply) -> Any:

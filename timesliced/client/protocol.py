@@ -79,13 +79,18 @@ def register_args(
     pids: list[int] | None,
     park: str | ParkSpec | None = None,
     memory: int | str | Mapping[int, int | str] | None = None,
+    *,
+    priority: int = 0,
+    weight: float = 1.0,
 ) -> dict[str, Any]:
     """The ``register`` request's args.
 
     ``memory``: the device memory the job declares per GPU, like a Kubernetes request: bytes or a
     size string (``"20GiB"``) for each of its GPUs, or a dict GPU -> size; None declares nothing
-    (the job then has its GPUs to itself when granted). Raises ``ValueError`` for a size that is
-    not one, or one below a byte.
+    (the job then has its GPUs to itself when granted). ``priority`` (an integer, higher first) and
+    ``weight`` (> 0, the job's share) are what its group's queue policy reads (``--policy``:
+    ``priority``, ``fair``); the job's first registration fixes them. Raises ``ValueError`` for a
+    size that is not one or is below a byte, and for a weight that is not a positive number.
 
     ``gpus``: the node's GPU numbers (NVML indices, as ``nvidia-smi`` and
     ``timesliced status`` show them; the simulated GPU's own numbers), ``None``
@@ -100,7 +105,13 @@ def register_args(
         if gpus != VISIBLE:
             raise ValueError(f"gpus must be a list of the node's GPU numbers, None or {VISIBLE!r}, got {gpus!r}")
         gpus = node_gpus()
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, not {priority!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+        raise ValueError(f"weight must be a positive number, not {weight!r}")
     args: dict[str, Any] = {"job": job, "group": group, "gpus": gpus, "pids": sorted({os.getpid(), *(pids or [])})}
+    if priority or weight != 1.0:  # the defaults go unsaid: older daemons take the args as before
+        args.update(priority=priority, weight=float(weight))
     if park is not None:
         spec = ParkSpec(park) if isinstance(park, str) else park
         if spec.method not in METHODS:

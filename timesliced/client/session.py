@@ -390,12 +390,17 @@ class ClientSession:
         self._accept(In.REQUEST)
         return self._submit(_Pending(op, args), now, frame)
 
-    def acquire(self, timeout: float | None, now: float) -> int:
-        """Ask for the lock; the caller gives up ``timeout + GRACE_S`` from ``now``. Raises ``ValueError``."""
-        acquire_args(timeout)
+    def acquire(self, timeout: float | None, now: float, gang: str | None = None, members: int = 0) -> int:
+        """Ask for the lock; the caller gives up ``timeout + GRACE_S`` from ``now``. Raises ``ValueError``.
+
+        ``gang``, ``members``: this acquire is one member of a gang of ``members``, granted with the
+        others or not at all (every member gives the same ``gang``).
+        """
+        args = acquire_args(timeout, gang, members)
+        del args["timeout"]  # what is left of it is sent each time
         self._accept(In.REQUEST)
         give_up_at = None if timeout is None else now + timeout
-        return self._submit(_Pending("acquire", timeout=timeout, give_up_at=give_up_at), now)
+        return self._submit(_Pending("acquire", args or None, timeout=timeout, give_up_at=give_up_at), now)
 
     def wait_ready(self, now: float) -> int:
         """A waiter answered (with None) once the connection is ready: ``connect()``."""
@@ -577,8 +582,9 @@ class ClientSession:
     def _send(self, rid: int, pending: _Pending, now: float, frame: bytes | None = None) -> None:
         if frame is None:
             args = pending.args
-            if pending.op == "acquire":  # what is left of the caller's timeout
-                args = {"timeout": None if pending.give_up_at is None else max(0.0, pending.give_up_at - now)}
+            if pending.op == "acquire":  # what is left of the caller's timeout (and the gang it is a member of)
+                left = None if pending.give_up_at is None else max(0.0, pending.give_up_at - now)
+                args = {"timeout": left, **(pending.args or {})}
             frame = self._proto.frame(rid, pending.op, args)
         self._write(frame, now)
         pending.sent_on, pending.sent_at = self._conn, now

@@ -53,6 +53,8 @@ class ShellBase:
         reconnect: float = 60.0,
         parked_access: str = "wait",
         memory: int | str | Mapping[int, int | str] | None = None,
+        priority: int = 0,
+        weight: float = 1.0,
     ) -> None:
         if parked_access not in ("wait", "raise"):
             raise ValueError("parked_access must be 'wait' or 'raise'")
@@ -78,7 +80,7 @@ class ShellBase:
 
         self._core = ClientSession(
             job,
-            register_args(job, group, gpus, pids, park, memory),
+            register_args(job, group, gpus, pids, park, memory, priority=priority, weight=weight),
             hello_args(),
             address=str(self.address),
             auth=prove,

@@ -51,6 +51,10 @@ class Client(ShellBase):
     the daemon it is connected to announced, so a daemon can tell a quiet client
     from a dead one.
 
+    ``priority`` (an integer, higher first) and ``weight`` (> 0, its share of the
+    group's time) are what the group's queue policy reads (``--policy``); the
+    job's first registration fixes them.
+
     ``parked_access``: what a simulated region access does while the job is
     preempted (parked by the daemon after its maximum slice, queued again):
     ``"wait"`` until the lock is granted back, or ``"raise"`` ``NotResident``.
@@ -112,7 +116,7 @@ class Client(ShellBase):
 
     # --- the lock --------------------------------------------------------------------
 
-    def acquire(self, timeout: float | None = None) -> Grant:
+    def acquire(self, timeout: float | None = None, *, gang: str | None = None, members: int = 0) -> Grant:
         """Wait for the group's lock; returns the ``Grant``.
 
         ``timeout`` bounds the whole call, connecting included: it raises within
@@ -123,8 +127,15 @@ class Client(ShellBase):
         could not be restored. An acquire given up on (timeout,
         ``KeyboardInterrupt``) leaves the queue at once; a grant that won the race
         is released.
+
+        ``gang``, ``members``: this acquire is one member of gang ``gang`` of ``members``
+        acquires (each of another group, from any process or node), all granted in one step
+        or none (``timesliced.gang`` does it for clients of one process). One member that
+        stops waiting withdraws the gang: the others raise ``AcquireCancelled``.
         """
-        grant: Grant = self._wait(self._submit(functools.partial(self._core.acquire, timeout)))
+        grant: Grant = self._wait(
+            self._submit(functools.partial(self._core.acquire, timeout, gang=gang, members=members))
+        )
         return grant
 
     def release(self) -> dict[str, Any]:

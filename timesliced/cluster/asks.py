@@ -23,6 +23,8 @@ NAME = Text(name=True)
 GPU = Int()  # a GPU index as a node's client names it; the leader refuses one the node cannot have
 BYTES = Int()
 MAX_BYTES = MAX_INT
+PRIORITY = Int(-1_000_000, 1_000_000)  # a job's priority (core JobRegistered.priority)
+MEMBERS = Int(0, 64)  # a gang's members (0: not a gang member)
 
 
 class Ask(Wire):
@@ -49,6 +51,8 @@ class Register(Ask):
     # the device memory it declares (core JobRegistered.memory / memory_each): per GPU, or for each of its GPUs
     memory: Annotated[dict[int, int] | None, Optional(Map(GPU, BYTES))] = None
     memory_each: Annotated[int | None, Optional(BYTES)] = None
+    priority: Annotated[int, PRIORITY] = 0  # what the group's queue policy reads (core JobRegistered)
+    weight: Annotated[float, Float()] = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class Acquire(Ask):
     conn: Annotated[int, CONN]
     rid: Annotated[int, RID]
     timeout: Annotated[float | None, Optional(Float())] = None
+    gang: Annotated[str | None, Optional(NAME)] = None  # a gang member's (core AcquireRequested.gang)
+    members: Annotated[int, MEMBERS] = 0
 
 
 @dataclass(frozen=True)

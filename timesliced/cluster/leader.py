@@ -19,6 +19,7 @@ from typing import Any
 from .. import errors
 from ..core.election import Election
 from ..core.events import DrainRequested, FaultCleared, ForceReleaseRequested
+from ..core.policy import QueuePolicy
 from ..core.residency import Options
 from ..core.scheduler import Scheduler
 from ..core.slices import SlicePolicy
@@ -43,6 +44,7 @@ class Leader:
         sync_timeout: float,
         policies: dict[str, SlicePolicy],
         residency: Options | None = None,
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> None:
         self.node_id = node_id
         self.members = members
@@ -53,6 +55,7 @@ class Leader:
         self.sync_timeout = sync_timeout
         self.policies = policies
         self.residency = residency
+        self.queue_policies = dict(queue_policies or {})
         self.orch: Orchestrator | None = None  # once the era is taken stock of
         self.linked: set[str] = set()  # peers whose link is up (they can answer a sync)
         self.reporters: set[str] = set()  # who reported in the current era
@@ -185,6 +188,7 @@ class Leader:
             fence_floor=self._fence_floor[1],
             policies=self.policies,
             residency=self.residency,
+            queue_policies=self.queue_policies,
         )
         if self._figures is not None:
             orch.scheduler.carry_figures(self._figures)

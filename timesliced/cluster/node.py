@@ -43,6 +43,7 @@ from ..core.events import DrainRequested, FaultCleared, ForceReleaseRequested
 from ..core.ids import gpu_slot, local_gpu
 from ..core.location import Cause, Location, moved
 from ..core.model import AUTO
+from ..core.policy import QueuePolicy
 from ..core.residency import Options
 from ..core.scheduler import Scheduler
 from ..core.slices import SlicePolicy
@@ -117,6 +118,8 @@ class LocalJob:
     freezes: bool = True  # its parking method stops its GPU work first (core JobRegistered.freezes)
     memory: dict[int, int] | None = None  # local GPU -> declared bytes (core JobRegistered.memory), for reports
     memory_each: int | None = None  # declared for each of its GPUs here (core JobRegistered.memory_each)
+    priority: int = 0  # as registered (core JobRegistered.priority): the leader's queue policy reads it
+    weight: float = 1.0
 
 
 @dataclass
@@ -132,6 +135,8 @@ class Waiting:
     order: int
     deadline: float | None
     seq: int | None = None
+    gang: str | None = None  # a gang member's acquire (core AcquireRequested.gang)
+    members: int = 0
 
 
 @dataclass
@@ -166,6 +171,7 @@ class ClusterNode:
         sync_timeout: float | None = None,
         policies: dict[str, SlicePolicy] | None = None,
         residency: Options | None = None,
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> None:
         members = tuple(sorted(members))
         if node_id not in members:
@@ -193,6 +199,7 @@ class ClusterNode:
             sync_timeout=sync_timeout if sync_timeout is not None else election_timeout[1],
             policies=dict(policies or {}),
             residency=residency,
+            queue_policies=dict(queue_policies or {}),
         )
         self.era: Era | None = None  # the era this node takes directions in
         self.leader: str | None = None  # who opened it
@@ -352,7 +359,9 @@ class ClusterNode:
         if isinstance(ask, Acquire) and job is not None:
             if queued:
                 deadline = None if ask.timeout is None else now + ask.timeout
-                self.waiting[(ask.conn, ask.rid)] = Waiting(next(self._order), deadline)
+                self.waiting[(ask.conn, ask.rid)] = Waiting(
+                    next(self._order), deadline, gang=ask.gang, members=ask.members
+                )
             self.turns.pop(job, None)
         elif isinstance(ask, Release) and job is not None:
             self._let_go(ask.conn, job)
@@ -619,7 +628,12 @@ class ClusterNode:
 
     def _take_registered(self, ask: Register, result: Registered) -> None:
         """The job, as this node knows it from now on (the leader registered it)."""
-        job = self.jobs.setdefault(ask.job, LocalJob(ask.job, ask.group, ask.exclusive, (), freezes=ask.freezes))
+        job = self.jobs.setdefault(
+            ask.job,
+            LocalJob(
+                ask.job, ask.group, ask.exclusive, (), freezes=ask.freezes, priority=ask.priority, weight=ask.weight
+            ),
+        )
         job.span = result.gpus
         if ask.memory is not None or ask.memory_each is not None:
             job.memory, job.memory_each = ask.memory, ask.memory_each
@@ -674,12 +688,22 @@ class ClusterNode:
                     j.freezes,
                     j.memory,
                     j.memory_each,
+                    j.priority,
+                    j.weight,
                 )
                 for j in self.jobs.values()
             ),
             holders=tuple(ReportedHolder(g, h.job, h.fence, tuple(sorted(h.conns))) for g, h in self.holders.items()),
             waiting=tuple(
-                ReportedWait(conn, rid, w.seq, w.order, None if w.deadline is None else max(0.0, w.deadline - now))
+                ReportedWait(
+                    conn,
+                    rid,
+                    w.seq,
+                    w.order,
+                    None if w.deadline is None else max(0.0, w.deadline - now),
+                    w.gang,
+                    w.members,
+                )
                 for (conn, rid), w in self.waiting.items()
             ),
             fences={g: f for g, (_, f) in self.fences.items()},
@@ -836,6 +860,8 @@ class ClusterNode:
                     "faulted": j.faulted,
                     "pids": sorted(j.pids),
                     "freezes": j.freezes,
+                    "priority": j.priority,
+                    "weight": j.weight,
                 }
                 for j in self.jobs.values()
                 if not j.gone
@@ -859,6 +885,7 @@ class ClusterNode:
                 job.footprint = {int(g): int(n) for g, n in j["footprint"].items()}
                 job.faulted, job.pids = str(j["faulted"]), set(j["pids"])
                 job.freezes = bool(j.get("freezes", True))  # journals of the release before it: every job froze
+                job.priority, job.weight = int(j.get("priority", 0)), float(j.get("weight", 1.0))
                 jobs[job.name] = job
             turns = {job: Turn(int(seq), now + keep_turns_for) for job, seq in picture["turns"].items() if job in jobs}
             fences = {group: (int(term), int(fence)) for group, (term, fence) in picture["fences"].items()}

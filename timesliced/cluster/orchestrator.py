@@ -56,6 +56,7 @@ from ..core.events import (
 from ..core.ids import GPU_STRIDE, global_gpu, global_session, gpu_slot, local_conn, local_gpu, session_slot
 from ..core.location import Location
 from ..core.model import AUTO
+from ..core.policy import QueuePolicy
 from ..core.residency import Options
 from ..core.scheduler import Scheduler
 from ..core.slices import SlicePolicy
@@ -81,7 +82,7 @@ from .messages import Allotted, Era, Failed, FromLeader, Grant, GrantInfo, Move,
 from .report import NodeReport
 
 # notices that also go to the log and the history
-NOTED = ("faulted", "slice_overdue", "preempted", "move_failed", "resumed")
+NOTED = ("faulted", "slice_overdue", "preempted", "move_failed", "resumed", "policy")
 MOVE_GRACE_S = 5.0  # on top of the node's own operation timeout, for the messages
 MOVE_KINDS: dict[type[Effect], str] = {SnapshotJob: "snapshot", RestoreJob: "restore", ReclaimJob: "reclaim"}
 
@@ -125,6 +126,7 @@ class Orchestrator:
         op_timeout: float = 600.0,
         policies: dict[str, SlicePolicy] | None = None,
         residency: Options | None = None,
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> None:
         self.era = era
         r = residency or Options()
@@ -136,6 +138,7 @@ class Orchestrator:
             memory_headroom=r.memory_headroom,
             prefetch=r.prefetch,
             stream_switches=r.stream_switches,
+            queue_policies=queue_policies,
         )
         self.op_timeout = op_timeout
         self.job_nodes: dict[str, set[int]] = {}  # job -> slots where it has sessions or state
@@ -165,6 +168,7 @@ class Orchestrator:
         fence_floor: dict[str, int] | None = None,
         policies: dict[str, SlicePolicy] | None = None,
         residency: Options | None = None,
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> tuple[Orchestrator, list[str]]:
         """The orchestrator of a new era from the nodes' reports (slot -> report).
 
@@ -175,7 +179,13 @@ class Orchestrator:
         """
         capacities = {global_gpu(s, g): cap for s, r in reports.items() for g, cap in r.devices.items()}
         orch = cls(
-            era, capacities, max_waiters=max_waiters, op_timeout=op_timeout, policies=policies, residency=residency
+            era,
+            capacities,
+            max_waiters=max_waiters,
+            op_timeout=op_timeout,
+            policies=policies,
+            residency=residency,
+            queue_policies=queue_policies,
         )
         orch.offline = set(missing)
         orch.fence_floor = dict(fence_floor or {})
@@ -208,7 +218,7 @@ class Orchestrator:
                     if ask.rid == AUTO:
                         raise errors.BadRequest(f"request id {AUTO} is reserved")
                     deadline = None if ask.timeout is None else now + ask.timeout
-                    self._feed(AcquireRequested(session, ask.rid, deadline), now)
+                    self._feed(AcquireRequested(session, ask.rid, deadline, ask.gang, ask.members), now)
                     self.send(slot, Queued(self.era, ask.conn, ask.rid, next(self._seq)))
                     return None
                 case Cancel():
@@ -298,6 +308,8 @@ class Orchestrator:
             freezes=ask.freezes,
             memory=None if ask.memory is None else {_gpu(slot, g): n for g, n in ask.memory.items()},
             memory_each=ask.memory_each,
+            priority=ask.priority,
+            weight=ask.weight,
         )
         group = self.scheduler.groups.get(ask.group)
         before = group.gpus if group is not None else ()

@@ -38,6 +38,8 @@ class MergedJob:
     group: str
     exclusive: bool
     freezes: bool = True
+    priority: int = 0
+    weight: float = 1.0
     locations: set[Location] = field(default_factory=set)
     footprint: dict[int, int] = field(default_factory=dict)
     resident: dict[int, int] = field(default_factory=dict)  # the footprint of its resident parts
@@ -53,8 +55,14 @@ def merge_jobs(reports: Reports) -> tuple[dict[str, MergedJob], list[str]]:
     problems: list[str] = []
     for slot, report in sorted(reports.items()):
         for j in report.jobs:
-            m = merged.setdefault(j.job, MergedJob(j.group, j.exclusive, j.freezes))
-            if (m.group, m.exclusive, m.freezes) != (j.group, j.exclusive, j.freezes):
+            m = merged.setdefault(j.job, MergedJob(j.group, j.exclusive, j.freezes, j.priority, j.weight))
+            if (m.group, m.exclusive, m.freezes, m.priority, m.weight) != (
+                j.group,
+                j.exclusive,
+                j.freezes,
+                j.priority,
+                j.weight,
+            ):
                 problems.append(f"job {j.job!r} is registered differently on node {slot}; that node's part is left out")
                 continue
             m.locations.add(j.location)
@@ -97,7 +105,9 @@ def adopt_jobs(
         if m.locations == {Location.PARKED, Location.RESIDENT}:
             settle[name] = footprint
             footprint = {g: n for g, n in m.resident.items() if g in capacities}
-        sched.adopt_job(name, m.group, m.exclusive, location, footprint, "; ".join(m.faulted), m.freezes)
+        sched.adopt_job(
+            name, m.group, m.exclusive, location, footprint, "; ".join(m.faulted), m.freezes, m.priority, m.weight
+        )
         orch.job_nodes[name] = set(m.slots)
         orch.gone[name] = set(m.gone)
     return settle
@@ -124,6 +134,8 @@ def adopt_sessions(orch: Orchestrator, reports: Reports, now: float, problems: l
                 freezes=job.freezes,
                 memory=None if here is None or here.memory is None else _global(slot, here.memory),
                 memory_each=None if here is None else here.memory_each,
+                priority=job.priority,
+                weight=job.weight,
             )
             try:
                 sched.handle(event, now)
@@ -201,7 +213,7 @@ def queue_waiting(orch: Orchestrator, reports: Reports, now: float, problems: li
             continue
         deadline = None if w.deadline_in is None else now + w.deadline_in
         try:
-            sched.handle(AcquireRequested(global_session(slot, w.conn), w.rid, deadline), now)
+            sched.handle(AcquireRequested(global_session(slot, w.conn), w.rid, deadline, w.gang, w.members), now)
         except errors.TimeslicedError as exc:
             orch.send(slot, Failed(orch.era, w.conn, w.rid, WireError.of(exc)))
 

@@ -44,6 +44,8 @@ class ReportedJob(Wire):
     # the device memory it declared here (cluster Register.memory / memory_each), so a new leader plans with it
     memory: Annotated[dict[int, int] | None, Optional(Map(GPU, BYTES))] = None
     memory_each: Annotated[int | None, Optional(BYTES)] = None
+    priority: Annotated[int, Int(-1_000_000, 1_000_000)] = 0  # as registered: the leader's queue policy reads it
+    weight: Annotated[float, Float()] = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class ReportedWait(Wire):
     seq: Annotated[int | None, Optional(Int())]
     order: Annotated[int, Int()]
     deadline_in: Annotated[float | None, Optional(Float())]
+    gang: Annotated[str | None, Optional(NAME)] = None  # a gang member's acquire: queued again as one
+    members: Annotated[int, Int(0, 64)] = 0
 
 
 @dataclass(frozen=True)

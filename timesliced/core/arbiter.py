@@ -4,6 +4,11 @@ After every input the arbiter looks at each group that is not frozen: a holder p
 is warned or preempted; a free group grants the head of its queue at once, or starts a switch
 (park the jobs in its way, then restore it) and grants it when the switch's moves are done. A
 head that cannot be made room for now waits, counted once as deferred.
+
+The head is the group's queue policy's choice (``policy.py``), made whenever the group is free
+and not switching; a choice that differs from arrival order is told to its job (``policy``
+notice, in the event log). A gang member's group, its switch done, waits until every group of
+the gang can grant its member, and then all are granted in one step (``gangs``).
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from ..errors import TimeslicedError
+from . import policy as queue_policy
 from .events import Effect, GrantLock, NotifyJob
 from .figures import Figures
 from .ledger import MemoryLedger
 from .location import Location
-from .model import Group, Job, Refuse, Switch, Wait, Waiter
+from .model import Gang, Group, Job, Refuse, Switch, Wait, Waiter
 from .moves import Moves
+from .policy import QueuePolicies, Standing
 from .queues import BLOCKED, LockQueues
 from .registry import Registry
 from .slices import SlicePolicies
@@ -26,6 +33,8 @@ SWITCH = Fields("switch")
 OVERDUE = Fields("overdue_since")
 LAST_GRANTED = Fields("last_granted", "placed")
 RESTORING = Fields("restoring")
+HELD = Fields("held_s")
+READY = Fields("ready")
 
 
 class Arbiter:
@@ -41,12 +50,17 @@ class Arbiter:
         figures: Figures,
         journal: Journal,
         emit: Callable[[Effect], None],
+        policies: QueuePolicies | None = None,
         *,
         prefetch: bool = True,
         stream: bool = False,
     ) -> None:
-        """``prefetch``: restore a held group's next waiter into free room (``_prefetch``); ``stream``:
-        start a switch's restore with the snapshots that make its room (``_start_switch``)."""
+        """``policies``: each group's queue policy; ``prefetch``: restore a held group's next waiter into
+        free room (``_prefetch``); ``stream``: start a switch's restore with the snapshots that make its
+        room (``_start_switch``)."""
+        self.policies = policies or QueuePolicies({})
+        # The scheduler's frozen groups, read when a gang's grant looks at its other groups.
+        self.frozen: Callable[[], Mapping[str, str]] = dict
         self._prefetching = prefetch
         self._streaming = stream
         self._registry = registry
@@ -84,7 +98,9 @@ class Arbiter:
             if group.holder is not None:
                 self._prefetch(group, now)
         while group.holder is None and group.switch is None and group.queue and not group.draining:
-            head = group.queue[0]
+            head = self._choose(group)
+            if head is None:
+                return  # only members of gangs not yet complete wait
             if not head.tickets:
                 return  # a kept turn: the group waits for its job to ask again (or the turn to lapse)
             job = self._registry.jobs[head.job]  # never faulted or exiting: those leave the queue at once
@@ -105,8 +121,13 @@ class Arbiter:
             return
 
     def next_waiter(self, group: Group) -> Waiter | None:
-        """The waiter the group grants next once it is free: the one a prefetch restores ahead of its turn."""
-        return group.queue[0] if group.queue else None
+        """The waiter the group's policy would grant next once it is free: the one a prefetch restores
+        ahead of its turn (a guess, read without promoting it: waiting may change the choice)."""
+        policy = self.policies.policy(group.name)
+        if policy.name == "fifo" and not self._queues.gangs:
+            return group.queue[0] if group.queue else None
+        chosen, _ = queue_policy.choose(policy, group, self._registry.jobs, self._queues.gangs)
+        return chosen
 
     def _prefetch(self, group: Group, now: float) -> None:
         """While the holder computes, restore the next waiter if it fits beside everyone resident.
@@ -148,6 +169,8 @@ class Arbiter:
         assert group.holder is not None
         job = self._registry.jobs[group.holder]
         self._figures.held(group, job, now - group.held_since, len(group.gpus))
+        self._journal.fields(job, HELD)
+        job.held_s += now - group.held_since  # what ``fair`` decides by
         self._queues.vacate(group)
 
     def move_finished(self, op: int, now: float, failed: TimeslicedError | None = None) -> None:
@@ -282,7 +305,65 @@ class Arbiter:
         ):
             self._grant(group, now, switch_s=now - switch.started_at, restored=switch.restoring, switched=True)
 
+    # --- who is next ---------------------------------------------------------------------
+
+    def _choose(self, group: Group) -> Waiter | None:
+        """The group's policy's choice, made its head; a choice other than arrival order is told."""
+        registry, queues = self._registry, self._queues
+        policy = self.policies.policy(group.name)
+        if policy.name == "fifo" and not queues.gangs:
+            return group.queue[0]  # arrival order, and nothing waits apart: the head it always was
+        chosen, first = queue_policy.choose(policy, group, registry.jobs, queues.gangs)
+        if chosen is None or first is None:
+            return None
+        if queues.promote(group, chosen) and chosen is not first:
+            jobs = registry.jobs
+            ctx = Standing.of(j for j in jobs.values() if j.group == group.name and not j.exiting)
+            reason = queue_policy.why(policy, jobs[chosen.job], jobs[first.job], ctx)
+            data: dict[str, object] = {"group": group.name, "policy": policy.name, "passed": first.job}
+            self._emit(NotifyJob(chosen.job, "policy", {**data, "reason": reason}))
+        return chosen
+
     def _grant(self, group: Group, now: float, *, switch_s: float, restored: bool, switched: bool) -> None:
+        head = group.queue[0]
+        if head.gang is not None:
+            self._grant_gang(group, self._queues.gangs[head.gang], now, (switch_s, restored, switched))
+            return
+        self._grant_one(group, now, switch_s=switch_s, restored=restored, switched=switched)
+
+    def _grant_gang(self, group: Group, gang: Gang, now: float, done: tuple[float, bool, bool]) -> None:
+        """``group``'s member is ready: grant every member if every group can, else wait for the rest.
+
+        A group can when it is free, not frozen or drained, its head is the gang's member (the
+        policy chose it), and the member is resident with nothing in its way.
+        """
+        if done[2] or group.name not in gang.ready:  # a switch's figures stay until the grant
+            self._journal.fields(gang, READY)
+            gang.ready = {**gang.ready, group.name: done}
+        groups = self._registry.groups
+        waiting = sorted(g for t, g in gang.members.items() if not self._member_ready(groups[g], t, gang, now))
+        if waiting:
+            why = f"gang {gang.name!r}: waiting for group{'s' if len(waiting) > 1 else ''} {', '.join(waiting)}"
+            self._block(group, group.queue[0].job, why)
+            return
+        for g in sorted(set(gang.members.values())):
+            member = groups[g]
+            self._unblock(member)
+            switch_s, restored, switched = gang.ready.get(g, (0.0, False, False))
+            self._grant_one(member, now, switch_s=switch_s, restored=restored, switched=switched)
+
+    def _member_ready(self, group: Group, ticket: tuple[int, int], gang: Gang, now: float) -> bool:
+        if group.holder is not None or group.switch is not None or group.draining or group.name in self.frozen():
+            return False
+        if not group.queue or ticket not in group.queue[0].tickets or group.name not in gang.ready:
+            return False
+        job = self._registry.jobs[group.queue[0].job]
+        if job.location is not Location.RESIDENT or job.faulted:
+            return False
+        plan = self._ledger.plan_room(job, now)
+        return isinstance(plan, list) and not plan
+
+    def _grant_one(self, group: Group, now: float, *, switch_s: float, restored: bool, switched: bool) -> None:
         waiter = self._queues.grant(group, now)
         job = self._registry.jobs[waiter.job]
         self._journal.fields(job, LAST_GRANTED)

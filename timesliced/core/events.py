@@ -39,6 +39,10 @@ class JobRegistered:
     # measured peak) and may stay resident beside others; without one, an ``exclusive`` job has its GPUs to itself.
     memory: dict[int, int] | None = None
     memory_each: int | None = None  # the same declaration for each of its GPUs on its node (with ``memory``'s on top)
+    # The group's queue policy (core/policy.py) reads these: ``priority`` orders waiters under
+    # ``priority`` (higher first), ``weight`` is the job's share of the group under ``fair``.
+    priority: int = 0
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class AcquireRequested:
     session: SessionId
     request_id: int
     deadline: float | None = None
+    # A member of gang ``gang`` of ``members`` acquires (core/gangs.py): the gang's members, each in
+    # another group, are granted together or not at all.
+    gang: str | None = None
+    members: int = 0
 
 
 @dataclass(frozen=True)

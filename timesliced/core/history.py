@@ -40,7 +40,7 @@ class Event:
     id: int
     t: float
     # registered | granted | released | switch_started | switch_finished | faulted | slice_overdue | preempted
-    # | exited | admin
+    # | exited | admin | policy (a waiter chosen out of arrival order)
     kind: str
     group: str | None
     job: str | None

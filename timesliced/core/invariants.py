@@ -8,13 +8,14 @@ from collections.abc import Mapping
 from .host import HOLDS_HOST
 from .ledger import MemoryLedger
 from .location import Location
-from .model import Wait
+from .model import Gang, Wait
 from .moves import Moves
 from .registry import Registry
 
 
-def check(registry: Registry, ledger: MemoryLedger, moves: Moves) -> None:
+def check(registry: Registry, ledger: MemoryLedger, moves: Moves, gangs: Mapping[str, Gang] | None = None) -> None:
     """Raise ``AssertionError`` if any invariant is broken."""
+    gangs = {} if gangs is None else gangs
     groups, jobs, sessions = registry.groups, registry.jobs, registry.sessions
     in_flight = moves.in_flight.values()
     moving = {m.job: m for m in in_flight if m.kind != "reclaim"}
@@ -31,7 +32,14 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves) -> None:
             assert not g.holder_sessions
         names = [w.job for w in g.queue]
         assert len(names) == len(set(names)), f"job queued twice in {g.name}: {names}"
-        assert all(a.enqueued_at <= b.enqueued_at for a, b in itertools.pairwise(g.queue)), "not FIFO"
+        # After the head (the policy's choice) the queue is in arrival order.
+        assert all(a.seq < b.seq for a, b in itertools.pairwise(g.queue[1:])), "not in arrival order"
+        for w in g.queue:
+            if w.gang is not None:
+                gang = gangs.get(w.gang)
+                assert gang is not None, f"{w.job} waits in {g.name} for a gang that is gone: {w.gang}"
+                assert len(w.tickets) == 1 and all(gang.members.get(t) == g.name for t in w.tickets), (g.name, w)
+                assert gang.seq is None or w.seq == gang.seq, (g.name, w, gang)
         assert all(w.tickets or w.kept_until is not None for w in g.queue), "empty waiter left in queue"
         assert g.holder not in names, "holder is also queued"
         for w in g.queue:
@@ -65,6 +73,14 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves) -> None:
         assert any(o in jobs and jobs[o].location.occupies_device for o in stream.outgoing), (op, stream)
         if op in moves.in_flight:
             assert moves.in_flight[op].job == stream.incoming and moves.in_flight[op].kind == "restore"
+    for name, gang in gangs.items():
+        # All or nothing: while a gang waits, every member it has waits, none holds.
+        assert gang.members and len(gang.members) <= gang.size, (name, gang)
+        assert gang.seq is None or len(gang.members) == gang.size, f"gang {name} granted in part: {gang}"
+        assert len(set(gang.members.values())) == len(gang.members), f"gang {name} twice in a group"
+        for ticket, group in gang.members.items():
+            place = next((w for w in groups[group].queue if ticket in w.tickets), None)
+            assert place is not None and place.gang == name, f"member {ticket} of gang {name} does not wait in {group}"
     # No GPU over capacity: each job counts its footprint, a streamed pair (a restore taking its
     # snapshots' room as it frees) the larger of its two sides (``ledger.used``). Only growth that
     # measurement found in declared jobs (``residency.growth``) may take a GPU past it, never a placement.
@@ -105,6 +121,10 @@ def live(registry: Registry, ledger: MemoryLedger, frozen: Mapping[str, str], no
         head = g.queue[0]
         if not head.tickets:
             continue  # a kept turn: it lapses by itself
+        if head.gang is not None:
+            # A gang's member waits for the gang's other groups (or for its gang to be complete);
+            # gangs that share a group are chosen in one order everywhere, so that wait ends.
+            continue
         job = registry.jobs[head.job]
         if job.location.moving:
             continue  # parked by another group's switch: that move ends by itself

@@ -42,6 +42,25 @@ class Waiter:
     enqueued_at: float
     tickets: dict[Ticket, float | None] = field(default_factory=dict)  # ticket -> deadline
     kept_until: float | None = None  # a turn kept without requests (see ``keep_turn``) lapses then
+    seq: int = 0  # its place in the arrival order of all groups' waiters (``LockQueues.seq``)
+    gang: str | None = None  # the gang it is a member of (core/gangs.py)
+
+
+@dataclass
+class Gang:
+    """Members (each a job's request in another group) granted together or not at all.
+
+    ``seq`` is None until all ``size`` members have asked; then the gang waits in each of its
+    groups at the tail, under one place in the arrival order (``seq``) that every group shares.
+    ``ready``: group -> (switch_s, restored, switched) of a member whose switch is done.
+    """
+
+    name: str
+    size: int
+    members: dict[Ticket, str] = field(default_factory=dict)  # ticket -> its group
+    seq: int | None = None
+    formed_at: float = 0.0
+    ready: dict[str, tuple[float, bool, bool]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -77,6 +96,11 @@ class Job:
     parked_size: dict[int, int] = field(default_factory=dict)
     refusal: Refusal | None = None  # its last park failed with its state intact: not tried again for now
     last_granted: float = float("-inf")  # the least recently granted are parked first
+    # The queue policy's inputs (core/policy.py): its priority and weight as registered, and the
+    # seconds it held its group (scheduling state, not a figure: ``fair`` decides by it).
+    priority: int = 0
+    weight: float = 1.0
+    held_s: float = 0.0
     # figures
     slices: int = 0
     preemptions: int = 0

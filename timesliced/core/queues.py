@@ -4,6 +4,13 @@ A job waits at most once per group (one ``Waiter``), with every request (ticket)
 made; a request may carry a deadline, kept in one heap for all groups whose stale entries are
 skipped lazily. A place without requests is a turn kept for a job whose daemon restarted: the
 group grants nobody behind it until the job asks again, or the place lapses.
+
+Every place gets the next number of one sequence shared by all groups (``seq``): the queue after
+its head is in that order, and the head is the one the group's policy chose (``promote``). A gang
+(``Gang``) waits in each of its groups as one member's place; its members wait apart until all
+have asked, then move to the tails of their queues under one number, so every group orders gangs
+alike. A member that stops waiting (cancelled, timed out, failed, its session closed) withdraws
+the whole gang: the others fail with ``AcquireCancelled``.
 """
 
 from __future__ import annotations
@@ -13,13 +20,17 @@ from collections.abc import Callable, Iterable
 
 from .. import errors
 from .events import Effect, FailRequest, SessionId, Ticket
-from .model import AUTO, MAX_REQUESTS_PER_JOB, Group, Waiter
+from .model import AUTO, MAX_REQUESTS_PER_JOB, Gang, Group, Waiter
 from .registry import Registry
 from .undo import Fields, Journal
 
 LOCK = Fields("holder", "holder_sessions", "held_since", "overdue_since", "fence", "last_holder")
 BLOCKED = Fields("blocked", "waiting_for")
 KEPT = Fields("kept_until")
+SEQ = Fields("seq")
+FORMED = Fields("seq", "formed_at")
+PLACE = Fields("seq")
+MAX_GANG = 64  # members of one gang
 
 
 class LockQueues:
@@ -28,6 +39,8 @@ class LockQueues:
     def __init__(self, registry: Registry, journal: Journal, emit: Callable[[Effect], None], max_waiters: int) -> None:
         self.max_waiters = max_waiters
         self.deadlines: list[tuple[float, Ticket]] = []  # heap
+        self.seq = 0  # the last number given to a place (noted: a step rolled back gives none)
+        self.gangs: dict[str, Gang] = {}  # gangs with members waiting
         self._registry = registry
         self._journal = journal
         self._emit = emit
@@ -40,6 +53,13 @@ class LockQueues:
         journal.keep_list(group.queue)
         journal.fields(group, LOCK)
         waiter = group.queue.pop(0)
+        if waiter.gang is not None:
+            gang = self.gangs[waiter.gang]
+            journal.keep_dict(gang.members)
+            for ticket in waiter.tickets:
+                gang.members.pop(ticket, None)
+            if not gang.members:
+                journal.delete(self.gangs, gang.name)  # every member holds: the gang is done
         group.fence += 1
         group.holder = waiter.job
         group.holder_sessions = {s for s, _ in waiter.tickets}
@@ -73,14 +93,31 @@ class LockQueues:
     def find(self, group: Group, ticket: Ticket) -> Waiter | None:
         return next((w for w in group.queue if ticket in w.tickets), None)
 
-    def enqueue(self, group: Group, job: str, ticket: Ticket, deadline: float | None, now: float) -> None:
-        """``ticket`` of ``job`` waits (at the tail, unless the job waits already); raises ``LimitExceeded``."""
+    def next_seq(self) -> int:
+        self._journal.fields(self, SEQ)
+        self.seq += 1
+        return self.seq
+
+    def enqueue(
+        self, group: Group, job: str, ticket: Ticket, deadline: float | None, now: float, gang: str | None = None
+    ) -> Waiter:
+        """``ticket`` of ``job`` waits (at the tail, unless the job waits already); returns its place.
+
+        Raises ``LimitExceeded``, or ``BadRequest`` when a gang member's job waits already, or a
+        request of a job whose place is a gang member's.
+        """
         waiter = self.waiter(group, job)
         journal = self._journal
+        if waiter is not None and (gang is not None or waiter.gang is not None):
+            raise errors.BadRequest(
+                f"job {job!r} already waits for group {group.name!r}"
+                + (f" as a member of gang {waiter.gang!r}" if waiter.gang is not None else "")
+                + ": a gang member's acquire cannot share its place with another acquire; wait for the first"
+            )
         if waiter is None:
             if len(group.queue) >= self.max_waiters:
                 raise errors.LimitExceeded(f"group {group.name!r} already has {self.max_waiters} waiting jobs")
-            waiter = Waiter(job, now)
+            waiter = Waiter(job, now, seq=self.next_seq(), gang=gang)
             journal.keep_list(group.queue)
             group.queue.append(waiter)
         else:
@@ -92,19 +129,35 @@ class LockQueues:
         waiter.tickets[ticket] = deadline
         if deadline is not None:
             journal.push(self.deadlines, (deadline, ticket))
+        return waiter
+
+    def promote(self, group: Group, waiter: Waiter) -> bool:
+        """``waiter`` (the policy's choice) becomes the head; the others stay in arrival order.
+
+        Returns True if the head changed.
+        """
+        queue = group.queue
+        if queue[0] is waiter:
+            return False
+        self._journal.keep_list(queue)
+        rest = sorted((w for w in queue if w is not waiter), key=lambda w: w.seq)
+        queue[:] = [waiter, *rest]
+        return True
 
     def requeue(self, group: Group, job: str, sessions: Iterable[SessionId], now: float) -> None:
         """A preempted holder waits again at the tail, with a request (``AUTO``) on each of its sessions.
 
         In session order: nothing the scheduler puts out may depend on the order of a set.
         """
+        seq = self.next_seq()
         self._journal.keep_list(group.queue)
-        group.queue.append(Waiter(job, now, {(s, AUTO): None for s in sorted(sessions)}))
+        group.queue.append(Waiter(job, now, {(s, AUTO): None for s in sorted(sessions)}, seq=seq))
 
     def keep_turn(self, group: Group, job: str, until: float, now: float) -> None:
         """A place for ``job`` without requests, kept until ``until``."""
+        seq = self.next_seq()
         self._journal.keep_list(group.queue)
-        group.queue.append(Waiter(job, now, kept_until=until))
+        group.queue.append(Waiter(job, now, kept_until=until, seq=seq))
 
     def drop(self, group: Group, waiter: Waiter, ticket: Ticket) -> None:
         """``ticket`` no longer waits, and is not answered; a place left without requests goes."""
@@ -117,6 +170,8 @@ class LockQueues:
                 group.blocked = group.waiting_for = None  # its next wait is a new one
             journal.keep_list(group.queue)
             group.queue.remove(waiter)
+        if waiter.gang is not None:
+            self._withdraw_gang(waiter.gang)
 
     def fail(self, group: Group, waiter: Waiter, ticket: Ticket, error: errors.TimeslicedError) -> None:
         self.drop(group, waiter, ticket)
@@ -155,8 +210,82 @@ class LockQueues:
             group.queue.clear()  # kept turns
 
     def others_wait(self, group: Group) -> bool:
-        """Somebody asks for the group (a kept turn does not) and may be granted."""
-        return not group.draining and any(w.tickets for w in group.queue)
+        """Somebody asks for the group (a kept turn does not, nor a gang not yet complete) and may be granted."""
+        gangs = self.gangs
+        return not group.draining and any(
+            w.tickets and (w.gang is None or gangs[w.gang].seq is not None) for w in group.queue
+        )
+
+    # --- gangs -----------------------------------------------------------------------
+
+    def join_gang(
+        self, group: Group, job: str, ticket: Ticket, deadline: float | None, name: str, size: int, now: float
+    ) -> None:
+        """``ticket`` of ``job`` waits in ``group`` as a member of gang ``name`` of ``size``.
+
+        The member waits apart until the gang is complete; then every member moves to the tail
+        of its queue under one number. Raises ``BadRequest`` (a bad size, a gang complete
+        already or of another size, a second member in one group, groups that share GPUs)
+        or ``LimitExceeded`` before anything changes.
+        """
+        if not 1 <= size <= MAX_GANG:
+            raise errors.BadRequest(f"a gang has 1 to {MAX_GANG} members, not {size}")
+        gang = self.gangs.get(name)
+        if gang is not None:
+            if gang.seq is not None:
+                raise errors.BadRequest(f"gang {name!r} is complete already; acquire with a new gang id")
+            if gang.size != size:
+                raise errors.BadRequest(
+                    f"gang {name!r} has {gang.size} members, not {size}: give every member the same"
+                )
+            if group.name in gang.members.values():
+                raise errors.BadRequest(
+                    f"gang {name!r} already has a member in group {group.name!r}: each member acquires another group"
+                )
+            groups = self._registry.groups
+            shared = sorted({g for other in gang.members.values() for g in groups[other].gpus} & set(group.gpus))
+            if shared:
+                raise errors.BadRequest(
+                    f"group {group.name!r} shares GPUs {shared} with another group of gang {name!r}: its members "
+                    "could never be resident together; gang groups on separate GPUs"
+                )
+        journal = self._journal
+        if gang is None:
+            gang = Gang(name, size)
+            journal.keep_key(self.gangs, name)
+            self.gangs[name] = gang
+        self.enqueue(group, job, ticket, deadline, now, gang=name)
+        journal.keep_dict(gang.members)
+        gang.members[ticket] = group.name
+        if len(gang.members) < size:
+            return
+        journal.fields(gang, FORMED)
+        gang.seq, gang.formed_at = self.next_seq(), now
+        for t, g in sorted(gang.members.items(), key=lambda m: m[1]):
+            q = self._registry.groups[g]
+            member = self.find(q, t)
+            assert member is not None
+            journal.keep_list(q.queue)
+            journal.fields(member, PLACE)
+            q.queue.remove(member)
+            member.seq = gang.seq
+            q.queue.append(member)
+
+    def _withdraw_gang(self, name: str) -> None:
+        """A member stopped waiting: the others fail (a gang is granted whole or not at all)."""
+        gang = self.gangs.get(name)
+        if gang is None:
+            return  # withdrawn already, or done
+        self._journal.delete(self.gangs, name)
+        error = errors.AcquireCancelled(
+            f"another member of gang {name!r} stopped waiting (cancelled, timed out, refused or disconnected), "
+            "so the gang is withdrawn: acquire the whole gang again"
+        )
+        for ticket, g in sorted(gang.members.items(), key=lambda m: (m[1], m[0])):
+            group = self._registry.groups.get(g)
+            waiter = self.find(group, ticket) if group is not None else None
+            if group is not None and waiter is not None:
+                self.fail(group, waiter, ticket, error)
 
     # --- time ------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from .undo import Fields, Journal
 FENCE = Fields("fence")
 HOLDER = Fields("holder", "holder_sessions", "held_since", "fence")
 CARRIED_BY_GROUPS = Fields(*GROUP_FIGURES)
-CARRIED_BY_JOBS = Fields(*JOB_FIGURES, "last_granted")
+CARRIED_BY_JOBS = Fields(*JOB_FIGURES, "last_granted", "held_s")
 ADOPTABLE = (Location.RESIDENT, Location.PARKED)  # where a job's state may be found between two switches
 
 
@@ -70,6 +70,8 @@ class Rebuild:
         footprint: dict[int, int],
         faulted: str,
         freezes: bool = True,
+        priority: int = 0,
+        weight: float = 1.0,
     ) -> None:
         registry = self._registry
         if name in registry.jobs or group not in registry.groups:
@@ -80,7 +82,18 @@ class Rebuild:
         unknown = sorted(set(footprint) - set(self._ledger.capacities))
         if unknown:
             raise ValueError(f"job {name!r} holds memory on unknown GPUs {unknown}")
-        job = Job(name, group, exclusive=exclusive, location=location, faulted=faulted, freezes=freezes)
+        if not 0 < weight < float("inf"):
+            raise ValueError(f"job {name!r} cannot be adopted with weight {weight!r}")
+        job = Job(
+            name,
+            group,
+            exclusive=exclusive,
+            location=location,
+            faulted=faulted,
+            freezes=freezes,
+            priority=priority,
+            weight=weight,
+        )
         job.footprint = {gpu: n for gpu, n in footprint.items() if n}
         registry.add_job(job)
 
@@ -120,3 +133,4 @@ class Rebuild:
             if (oj := old_jobs.get(name)) is not None:
                 self._journal.fields(j, CARRIED_BY_JOBS)
                 carry(j, oj)
+                j.held_s = oj.held_s  # what ``fair`` decides by goes on within the leader's term

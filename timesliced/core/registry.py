@@ -84,6 +84,8 @@ class Registry:
             raise errors.UnknownDevice("this node has no GPUs")
         memory = declared_memory(ev, here or gpus or node_gpus)
         self._check_memory(ev.job, memory, job, here or gpus or node_gpus)
+        if not 0 < ev.weight < float("inf"):  # NaN fails both
+            raise errors.BadRequest(f"a job's weight must be a positive number, not {ev.weight!r}")
         journal = self._journal
         if group is None:
             group = self.add_group(ev.group, gpus or node_gpus, now)
@@ -91,7 +93,12 @@ class Registry:
             journal.fields(group, GPUS)
             group.gpus = tuple(sorted(group.gpus + (gpus or node_gpus)))
         if job is None:
-            job = self.add_job(Job(ev.job, ev.group, exclusive=ev.exclusive, freezes=ev.freezes))
+            job = self.add_job(
+                Job(
+                    ev.job, ev.group, exclusive=ev.exclusive, freezes=ev.freezes, priority=ev.priority, weight=ev.weight
+                )
+            )
+        # else: the job's first registration fixed its priority and weight (its other processes need not repeat them)
         if memory and any(job.declared.get(g) != n for g, n in memory.items()):
             journal.fields(job, DECLARED)
             job.declared = {**job.declared, **{g: n for g, n in memory.items() if n}}

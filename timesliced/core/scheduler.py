@@ -8,7 +8,8 @@ the shell when to call ``handle_timers(now)``.
 runs it as one step, and owns the effect buffer. The concerns, one module each:
 
 - ``registry``: sessions, jobs and groups by name, and registration;
-- ``queues``: each group's holder and FIFO of waiters, request deadlines, kept turns;
+- ``queues``: each group's holder and queue of waiters, request deadlines, kept turns, gangs;
+- ``policy``: who of a group's waiters goes next (``fifo``, ``priority``, ``fair``);
 - ``ledger``: capacities, footprints, eviction plans, allocations waiting for snapshots;
 - ``host``: the host memory parked state takes on each node, and the admission of parks against it;
 - ``moves``: snapshots, restores and reclaims in flight, and every change of a job's location
@@ -25,7 +26,9 @@ is rolled back from those notes; figures are counted, and effects kept, only onc
 Invariants (``check_invariants``), kept after every input:
 
 - a group has at most one holding job, and that job is resident and not faulted;
-- each group's queue is in arrival order (FIFO) and holds a job at most once;
+- each group's queue holds a job at most once and, after its head (the choice of the
+  group's queue policy, ``policy``), is in arrival order; a gang that waits has every member
+  waiting and none holding (``queues``: gangs are granted whole, in one step);
   a faulted or exiting job never waits (its waiters are failed at once); a
   place without requests is a turn kept for a job whose daemon restarted, and
   it lapses at its deadline;
@@ -79,6 +82,7 @@ from .ledger import MemoryLedger, PendingAlloc
 from .location import Cause, Location
 from .model import AUTO, Group, GroupState, Job
 from .moves import Move, Moves
+from .policy import QueuePolicies, QueuePolicy
 from .queues import LockQueues
 from .rebuild import Rebuild
 from .registry import Registry
@@ -105,8 +109,10 @@ class Scheduler:
         memory_headroom: int = 0,
         prefetch: bool = True,
         stream_switches: bool = False,
+        queue_policies: dict[str, QueuePolicy] | None = None,
     ) -> None:
-        """``policies``: group -> its ``SlicePolicy``; the key ``"*"`` is every other group's.
+        """``policies``: group -> its ``SlicePolicy``; ``queue_policies``: group -> its ``QueuePolicy``
+        (default ``fifo``); in both the key ``"*"`` is every other group's.
 
         ``memory_headroom``: bytes kept free on each GPU of a job that declared its memory;
         ``prefetch``: restore a held group's head waiter into free room before its turn;
@@ -130,6 +136,7 @@ class Scheduler:
         )
         self.queues = LockQueues(self.registry, journal, emit, max_waiters)
         self.slices = SlicePolicies(dict(policies or {}))
+        self.queue_policies = QueuePolicies(dict(queue_policies or {}))
         self.arbiter = Arbiter(
             self.registry,
             self.queues,
@@ -139,9 +146,11 @@ class Scheduler:
             self.figures,
             journal,
             emit,
+            self.queue_policies,
             prefetch=prefetch,
             stream=stream_switches,
         )
+        self.arbiter.frozen = lambda: self._frozen
         self._rebuild = Rebuild(self.registry, self.ledger, self.queues, self.moves, journal)
         self._frozen: dict[str, str] = {}  # group -> why nothing may be granted in it now (GroupsFrozen)
         self._handlers: dict[type, Callable[[Any, float], Any]] = {
@@ -258,14 +267,16 @@ class Scheduler:
 
     def describe(self, now: float) -> SchedulerPicture:
         """A plain-data picture of the scheduler for ``status`` and the dashboard (``wire.status``)."""
-        return status.describe(self.registry, self.ledger, self.slices, self._frozen, now)
+        return status.describe(
+            self.registry, self.ledger, self.slices, self._frozen, now, self.queue_policies, self.queues.gangs
+        )
 
     def check_invariants(self, now: float | None = None) -> None:
         """Raise ``AssertionError`` if any invariant is broken (used by tests).
 
         With ``now``, also that no free group's head is left waiting for nothing (``invariants.live``).
         """
-        invariants.check(self.registry, self.ledger, self.moves)
+        invariants.check(self.registry, self.ledger, self.moves, self.queues.gangs)
         if now is not None:
             invariants.live(self.registry, self.ledger, self._frozen, now)
 
@@ -305,9 +316,13 @@ class Scheduler:
         footprint: dict[int, int],
         faulted: str = "",
         freezes: bool = True,
+        priority: int = 0,
+        weight: float = 1.0,
     ) -> None:
         """A job the nodes report, with where its state lives and what it holds on each GPU."""
-        self._step(self._rebuild.adopt_job, name, group, exclusive, location, footprint, faulted, freezes)
+        self._step(
+            self._rebuild.adopt_job, name, group, exclusive, location, footprint, faulted, freezes, priority, weight
+        )
 
     def adopt_holder(self, group: str, job: str, sessions: set[SessionId], fence: int, now: float) -> None:
         """``job`` holds ``group`` through ``sessions`` under ``fence`` (granted by an earlier leader)."""
@@ -370,11 +385,19 @@ class Scheduler:
         group = self.groups[job.group]
         ticket = (ev.session, ev.request_id)
         if group.holder == job.name:
+            if ev.gang is not None:
+                raise errors.BadRequest(
+                    f"job {job.name!r} holds group {group.name!r} already: a gang acquires groups its members "
+                    "do not hold; release it first"
+                )
             self.queues.join(group, ev.session)
             self._effects.append(GrantLock(group.name, job.name, group.fence, 0.0, 0.0, False, (ticket,), again=True))
             return
         if group.draining:
             raise errors.GroupDraining(f"group {group.name!r} is drained by an administrator; try again later")
+        if ev.gang is not None:
+            self.queues.join_gang(group, job.name, ticket, ev.deadline, ev.gang, ev.members, now)
+            return
         self.queues.enqueue(group, job.name, ticket, ev.deadline, now)
 
     def _on_cancel(self, ev: AcquireWithdrawn, now: float) -> dict[str, bool]:

@@ -9,8 +9,9 @@ from ..wire import status as schema
 from .host import HostLedger, refused
 from .ledger import MemoryLedger
 from .location import Location
-from .model import AUTO, Group, GroupState, Job
+from .model import AUTO, Gang, Group, GroupState, Job
 from .phases import summary
+from .policy import QueuePolicies, share
 from .registry import Registry
 from .residency import over_declared
 from .slices import SlicePolicies
@@ -30,7 +31,13 @@ def group_state(registry: Registry, group: Group) -> GroupState:
 
 
 def describe(
-    registry: Registry, ledger: MemoryLedger, slices: SlicePolicies, frozen: Mapping[str, str], now: float
+    registry: Registry,
+    ledger: MemoryLedger,
+    slices: SlicePolicies,
+    frozen: Mapping[str, str],
+    now: float,
+    policies: QueuePolicies | None = None,
+    gangs: Mapping[str, Gang] | None = None,
 ) -> schema.SchedulerPicture:
     """A plain-data picture of the scheduler at ``now`` (``wire.status``)."""
     jobs = registry.jobs.values()
@@ -48,7 +55,9 @@ def describe(
             }
             for gpu, cap in sorted(ledger.capacities.items())
         ],
-        "groups": [_group(registry, slices, frozen, g, now) for g in registry.groups.values()],
+        "groups": [
+            _group(registry, slices, policies or QueuePolicies({}), frozen, g, now) for g in registry.groups.values()
+        ],
         "jobs": [_job(registry, ledger.host, j, now) for j in jobs],
         "host": [_host(ledger.host, slot, now) for slot in sorted(ledger.host.nodes)],
     }
@@ -102,8 +111,12 @@ def _job(registry: Registry, host: HostLedger, j: Job, now: float) -> schema.Job
     }
 
 
-def _group(registry: Registry, slices: SlicePolicies, frozen: Mapping[str, str], g: Group, now: float) -> schema.Group:
+def _group(
+    registry: Registry, slices: SlicePolicies, policies: QueuePolicies, frozen: Mapping[str, str], g: Group, now: float
+) -> schema.Group:
     p = slices.policy(g.name)
+    order = policies.policy(g.name)
+    jobs = registry.jobs
     return {
         "group": g.name,
         "gpus": list(g.gpus),
@@ -118,12 +131,21 @@ def _group(registry: Registry, slices: SlicePolicies, frozen: Mapping[str, str],
                 "requests": len(w.tickets),
                 "kept_for_s": None if w.tickets or w.kept_until is None else max(0.0, w.kept_until - now),
                 "preempted": any(t[1] == AUTO for t in w.tickets),
+                "priority": jobs[w.job].priority,
+                "weight": jobs[w.job].weight,
+                "share_s": share(jobs[w.job]),
+                "effective_priority": (
+                    jobs[w.job].priority + (now - w.enqueued_at) / order.aging_s if order.name == "priority" else None
+                ),
+                "gang": w.gang,
             }
             for w in g.queue
         ],
         "overdue_s": None if g.overdue_since is None else now - g.overdue_since,
         "max_slice_s": p.max_slice if p else None,
         "slice_action": p.action if p else None,
+        "policy": order.name,
+        "aging_s": order.aging_s,
         "preemptions": g.preemptions,
         "switching_to": g.switch.incoming if g.switch else None,
         "draining": g.draining,

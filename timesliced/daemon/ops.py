@@ -15,7 +15,16 @@ from .. import errors
 from ..cluster.asks import Acquire, Alloc, Cancel, Register, Release, Request
 from ..cluster.node import ClusterNode
 from ..core.history import History
-from ..wire.messages import arg_int, arg_int_list, arg_memory, arg_opt_float, arg_str
+from ..wire.messages import (
+    arg_gang,
+    arg_int,
+    arg_int_list,
+    arg_memory,
+    arg_opt_float,
+    arg_priority,
+    arg_str,
+    arg_weight,
+)
 from ..wire.park import FREEZING, ParkSpec
 from .authz import checked_pids
 from .directives import Directives
@@ -71,6 +80,7 @@ class ClientOps:
         job = arg_str(args, "job")
         group = arg_str(args, "group")
         memory, memory_each = arg_memory(args)
+        priority, weight = arg_priority(args), arg_weight(args)
         spec = ParkSpec.from_wire(args.get("park"), self.parking.default)
         self.parking.backend(spec.method)  # refuses a method this node cannot run
         known = self.jobs.park.get(job)
@@ -89,6 +99,8 @@ class ClientOps:
             freezes=spec.method in FREEZING,
             memory=None if self.park_every_handoff else memory,
             memory_each=None if self.park_every_handoff else memory_each,
+            priority=priority,
+            weight=weight,
         )
         result = self._forward(conn, request)
         self.jobs.park[job] = spec  # the same as before, or the job is not (yet) registered here
@@ -96,7 +108,8 @@ class ClientOps:
         return result
 
     def acquire(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
-        return self._forward(conn, Acquire(conn.id, rid, arg_opt_float(args, "timeout")))
+        gang, members = arg_gang(args)
+        return self._forward(conn, Acquire(conn.id, rid, arg_opt_float(args, "timeout"), gang, members))
 
     def cancel(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         return self._forward(conn, Cancel(conn.id, rid, arg_int(args, "request")))

@@ -90,6 +90,7 @@ class Daemon:
                 prefetch=config.prefetch,
                 stream_switches=config.stream_switches,
             ),
+            queue_policies=config.queue_policies,
         )
         self.jobs = NodeJobs()
         self.journal = Journal(config.state_dir)
@@ -461,9 +462,9 @@ class Daemon:
         elif isinstance(effect, Allocate):
             self._allocate(effect)
         elif isinstance(effect, Noted):
-            level = logging.INFO if effect.kind == "leader" else logging.WARNING
+            level = logging.INFO if effect.kind in ("leader", "policy") else logging.WARNING
             log.log(level, "%s%s", f"job {effect.job!r}: " if effect.job else "", effect.text)
-            if effect.kind in ("faulted", "slice_overdue", "preempted", "move_failed"):
+            if effect.kind in ("faulted", "slice_overdue", "preempted", "move_failed", "policy"):
                 local = self.cluster.jobs.get(effect.job or "")
                 group = effect.group or (local.group if local else None)
                 self.history.record(effect.kind, self._now(), group=group, job=effect.job, detail=effect.text)

@@ -123,6 +123,39 @@ def arg_int(args: dict[str, Any], name: str, *, minimum: int = 0, default: int |
     return value
 
 
+MAX_PRIORITY = 1_000_000  # |priority| of a job (``register``)
+MAX_GANG = 64  # members of one gang (``acquire``)
+
+
+def arg_priority(args: dict[str, Any]) -> int:
+    """``register``'s ``priority``: an integer (default 0), higher first under the ``priority`` policy."""
+    value = args.get("priority", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not -MAX_PRIORITY <= value <= MAX_PRIORITY:
+        raise BadRequest(f"argument 'priority' must be an integer from -{MAX_PRIORITY} to {MAX_PRIORITY} (default 0)")
+    return value
+
+
+def arg_weight(args: dict[str, Any]) -> float:
+    """``register``'s ``weight``: a positive finite number (default 1), the job's share under ``fair``."""
+    value = args.get("weight", 1.0)
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not 0 < number < math.inf:
+        raise BadRequest("argument 'weight' must be a finite number > 0 (default 1): the job's share of its group")
+    return number
+
+
+def arg_gang(args: dict[str, Any]) -> tuple[str | None, int]:
+    """``acquire``'s ``gang`` (an id every member gives) and ``members`` (how many), both or neither."""
+    gang, members = args.get("gang"), args.get("members")
+    if gang is None and members is None:
+        return None, 0
+    if not isinstance(gang, str) or not 0 < len(gang) <= 256:
+        raise BadRequest("argument 'gang' must be a string of 1 to 256 characters, the same for every member")
+    if not isinstance(members, int) or isinstance(members, bool) or not 1 <= members <= MAX_GANG:
+        raise BadRequest(f"argument 'members' must be the gang's size, an integer from 1 to {MAX_GANG}")
+    return gang, members
+
+
 def arg_opt_float(args: dict[str, Any], name: str) -> float | None:
     value = args.get(name)
     if value is None:

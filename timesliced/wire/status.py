@@ -39,6 +39,11 @@ class QueuePlace(TypedDict):
     requests: int  # acquires waiting on this place (one per process of the job that asks)
     kept_for_s: float | None  # a turn kept after a restart, with no request yet: how long it is kept
     preempted: bool  # queued again after a preemption
+    priority: int  # its job's, as registered
+    weight: float  # its job's share of the group under ``fair``, as registered
+    share_s: float  # seconds its job held the group, per unit of weight (what ``fair`` orders by)
+    effective_priority: float | None  # under ``priority``: its priority plus a level per ``aging_s`` waited
+    gang: str | None  # the gang it is a member of
 
 
 class Group(TypedDict):
@@ -52,6 +57,8 @@ class Group(TypedDict):
     overdue_s: float | None  # how long the holder is past its maximum slice
     max_slice_s: float | None
     slice_action: str | None  # warn | preempt
+    policy: str  # the queue policy: fifo | priority | fair
+    aging_s: float  # a priority level, or a second of weighted hold, per this many seconds waited
     preemptions: int
     switching_to: str | None
     draining: bool

@@ -1,0 +1,187 @@
+"""Queue policies and gang acquire against real daemons: one daemon, and a two-daemon cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import timesliced
+from timesliced import errors
+from timesliced.bench.cluster import LocalCluster
+from timesliced.config import DaemonConfig
+from timesliced.core.policy import QueuePolicy
+from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.env import default_sim_dir
+
+from ..helpers.processes import wait_for
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[EmbeddedDaemon]:
+    """Two simulated GPUs; groups under ``priority`` (``--policy priority``)."""
+    config = DaemonConfig(
+        state_dir=tmp_path / "state",
+        backend="sim",
+        gpus=2,
+        gpu_memory=64 * MiB,
+        bandwidth=0,
+        queue_policies={"*": QueuePolicy("priority")},
+    )
+    embedded = EmbeddedDaemon(config)
+    embedded.start()
+    try:
+        yield embedded
+    finally:
+        embedded.stop()
+        shutil.rmtree(default_sim_dir(config.state_dir), ignore_errors=True)
+
+
+def group(c: Any, name: str) -> dict[str, Any]:
+    return next(g for g in c.status()["groups"] if g["group"] == name)  # type: ignore[no-any-return]
+
+
+def test_priority_goes_first_and_status_shows_it(daemon: EmbeddedDaemon) -> None:
+    sock = str(daemon.socket)
+    with (
+        timesliced.Client("h", "g", address=sock) as h,
+        timesliced.Client("low", "g", address=sock) as low,
+        timesliced.Client("high", "g", address=sock, priority=3, weight=2.0) as high,
+    ):
+        h.acquire()
+        waits = [threading.Thread(target=c.acquire, args=(10.0,)) for c in (low, high)]
+        waits[0].start()
+        wait_for(lambda: len(group(h, "g")["queue"]) == 1)
+        waits[1].start()
+        wait_for(lambda: len(group(h, "g")["queue"]) == 2)
+        g = group(h, "g")
+        assert g["policy"] == "priority"
+        places = {p["job"]: p for p in g["queue"]}
+        assert places["high"]["priority"] == 3 and places["high"]["weight"] == 2.0
+        assert places["high"]["effective_priority"] >= 3.0 and places["low"]["effective_priority"] >= 0.0
+        h.release()
+        waits[1].join(10)
+        assert high.lock.holding and not low.lock.holding
+        assert daemon.daemon is not None
+        logged = [e for e in daemon.daemon.history.events if e.kind == "policy"]
+        assert [(e.group, e.job) for e in logged] == [("g", "high")] and "before 'low'" in logged[0].detail
+        high.release()
+        waits[0].join(10)
+        assert low.lock.holding
+
+
+def test_a_bad_weight_is_refused_at_the_boundary(daemon: EmbeddedDaemon) -> None:
+    with pytest.raises(ValueError, match="weight"):
+        timesliced.Client("w", "g", address=str(daemon.socket), weight=0)
+    from timesliced.client.sync import Client
+
+    c = Client("w", "g", address=str(daemon.socket))
+    try:
+        with pytest.raises(errors.BadRequest, match="weight"):
+            c._call("register", {"job": "w2", "group": "g", "weight": -1})
+        with pytest.raises(errors.BadRequest, match="members"):
+            c._call("acquire", {"gang": "x", "members": 0})
+    finally:
+        c.close()
+
+
+def test_gang_holds_both_pools_or_neither(daemon: EmbeddedDaemon) -> None:
+    sock = str(daemon.socket)
+    with (
+        timesliced.Client("trainer", "trainers", address=sock, gpus=[0]) as trainer,
+        timesliced.Client("sampler", "samplers", address=sock, gpus=[1]) as sampler,
+        timesliced.Client("rival", "samplers", address=sock, gpus=[1]) as rival,
+    ):
+        rival.acquire()
+        inside = threading.Event()
+        done = threading.Event()
+
+        def sync_weights() -> None:
+            with timesliced.gang(trainer, sampler, timeout=20.0) as grants:
+                assert {g.group for g in grants} == {"trainers", "samplers"}
+                inside.set()
+                done.wait(10)
+
+        t = threading.Thread(target=sync_weights)
+        t.start()
+        wait_for(lambda: group(rival, "trainers")["waiting_for"] is not None)
+        assert group(rival, "trainers")["holder"] is None  # its pool is free, yet the gang waits whole
+        assert "gang" in group(rival, "trainers")["waiting_for"]
+        rival.release()
+        assert inside.wait(10)
+        assert group(rival, "trainers")["holder"] == "trainer" and group(rival, "samplers")["holder"] == "sampler"
+        done.set()
+        t.join(10)
+        assert group(rival, "trainers")["holder"] is None and group(rival, "samplers")["holder"] is None
+
+
+def test_a_gang_that_times_out_leaves_nothing_held(daemon: EmbeddedDaemon) -> None:
+    sock = str(daemon.socket)
+    with (
+        timesliced.Client("trainer", "trainers", address=sock, gpus=[0]) as trainer,
+        timesliced.Client("sampler", "samplers", address=sock, gpus=[1]) as sampler,
+        timesliced.Client("rival", "samplers", address=sock, gpus=[1]) as rival,
+    ):
+        rival.acquire()
+        with (
+            pytest.raises((errors.AcquireTimeout, errors.AcquireCancelled)),
+            timesliced.gang(trainer, sampler, timeout=0.3),
+        ):
+            pass
+        assert not trainer.lock.holding and not sampler.lock.holding
+        wait_for(lambda: group(rival, "trainers")["queue"] == [] and group(rival, "samplers")["queue"] == [])
+
+
+def test_async_gang(daemon: EmbeddedDaemon) -> None:
+    async def main() -> None:
+        sock = str(daemon.socket)
+        async with (
+            timesliced.AsyncClient("trainer", "trainers", address=sock, gpus=[0]) as trainer,
+            timesliced.AsyncClient("sampler", "samplers", address=sock, gpus=[1]) as sampler,
+        ):
+            async with timesliced.gang_async(trainer, sampler, timeout=10.0) as grants:
+                assert sorted(g.job for g in grants) == ["sampler", "trainer"]
+                assert trainer.lock.holding and sampler.lock.holding
+            assert not trainer.lock.holding and not sampler.lock.holding
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_gang_across_two_daemons(tmp_path: Path) -> None:
+    """Trainer pool on one node, sampler pool on the other: the leader grants the gang whole."""
+    with LocalCluster(tmp_path, 2) as cluster:
+        cluster.start_all()
+        a, b = cluster.names
+        with (
+            timesliced.Client("trainer", "trainers", address=str(cluster.socket(a))) as trainer,
+            timesliced.Client("sampler", "samplers", address=str(cluster.socket(b))) as sampler,
+            timesliced.Client("rival", "samplers", address=str(cluster.socket(b))) as rival,
+        ):
+            rival.acquire()
+            got: list[Any] = []
+
+            def sync_weights() -> None:
+                with timesliced.gang(trainer, sampler, timeout=30.0) as grants:
+                    got.extend(grants)
+                    got.append((trainer.lock.holding, sampler.lock.holding))
+
+            t = threading.Thread(target=sync_weights)
+            t.start()
+            leader = cluster.leader()
+            wait_for(lambda: "gang" in (group_of(cluster, leader, "trainers").get("waiting_for") or ""), timeout=10)
+            assert group_of(cluster, leader, "trainers")["holder"] is None
+            rival.release()
+            t.join(30)
+            assert sorted(g.group for g in got[:2]) == ["samplers", "trainers"] and got[2] == (True, True)
+
+
+def group_of(cluster: LocalCluster, node: str, name: str) -> dict[str, Any]:
+    return next((g for g in cluster.status(node)["groups"] if g["group"] == name), {})

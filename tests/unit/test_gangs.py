@@ -1,0 +1,226 @@
+"""Gang acquire in the core: all or nothing, withdrawn whole, and never deadlocked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from timesliced import errors
+from timesliced.core.events import AcquireRequested, FailRequest, GrantLock, RestoreJob, SnapshotJob
+from timesliced.core.policy import QueuePolicy
+
+from ..helpers.harness import Harness
+
+Make = Callable[..., Harness]
+FOUR = {0: 100, 1: 100, 2: 100, 3: 100}
+
+
+def grants(h: Harness) -> dict[str, str]:
+    return {e.group: e.job for e in h.drain() if isinstance(e, GrantLock)}
+
+
+def pools(harness: Make, **kw: object) -> tuple[Harness, dict[str, int]]:
+    """Groups ``t`` (GPU 0) and ``s`` (GPU 1), a trainer and a sampler job in each, and rivals."""
+    h = harness(FOUR, **kw)
+    s = {
+        "trainer": h.register("trainer", "t", (0,)),
+        "sampler": h.register("sampler", "s", (1,)),
+        "t2": h.register("t2", "t", (0,)),
+        "s2": h.register("s2", "s", (1,)),
+    }
+    return h, s
+
+
+def test_a_gang_is_granted_only_once_every_member_asked(harness: Make) -> None:
+    h, s = pools(harness)
+    h.acquire(s["trainer"], gang="sync", members=2)
+    assert h.holder("t") is None and h.drain() == []  # alone it waits, though its group is free
+    h.acquire(s["sampler"], gang="sync", members=2)
+    assert grants(h) == {"t": "trainer", "s": "sampler"}
+    assert h.s.queues.gangs == {}
+
+
+def test_a_gang_waits_whole_for_a_busy_group(harness: Make) -> None:
+    """All or nothing: the free group waits for the gang rather than grant its member alone."""
+    h, s = pools(harness)
+    h.acquire(s["s2"])
+    h.drain()
+    h.acquire(s["trainer"], gang="g1", members=2)
+    h.acquire(s["sampler"], gang="g1", members=2)
+    assert h.holder("t") is None and h.holder("s") == "s2" and h.drain() == []
+    assert "gang 'g1': waiting for group s" in (h.s.groups["t"].waiting_for or "")
+    h.acquire(s["t2"])  # a single acquire does not pass a gang that was chosen first
+    assert h.holder("t") is None
+    h.release(s["s2"])
+    assert grants(h) == {"t": "trainer", "s": "sampler"}
+    h.release(s["trainer"])  # releases are per member
+    assert grants(h) == {"t": "t2"} and h.holder("s") == "sampler"
+
+
+def test_members_switch_in_parallel_and_are_granted_together(harness: Make) -> None:
+    h, s = pools(harness)
+    h.alloc(s["trainer"], 50, 0)
+    h.alloc(s["sampler"], 50, 1)
+    for job, gpu in (("t2", 0), ("s2", 1)):
+        h.alloc(s[job], 60, gpu)  # each pool is too small for both of its jobs: the gang's member is parked
+        (snap,) = [e for e in h.drain() if isinstance(e, SnapshotJob)]
+        h.finish(snap, nbytes=50)
+    h.drain()
+    h.acquire(s["trainer"], gang="g", members=2)
+    h.acquire(s["sampler"], gang="g", members=2)
+    snaps = [e for e in h.drain() if isinstance(e, SnapshotJob)]
+    assert sorted(e.job for e in snaps) == ["s2", "t2"]
+    h.finish(snaps[0], nbytes=60)
+    (restore0,) = [e for e in h.drain() if isinstance(e, RestoreJob)]
+    h.finish(restore0, nbytes=50)
+    assert h.holder("t") is None and h.holder("s") is None  # one member ready: nobody holds yet
+    h.finish(snaps[1], nbytes=60)
+    (restore1,) = [e for e in h.drain() if isinstance(e, RestoreJob)]
+    h.finish(restore1, nbytes=50)
+    granted = [e for e in h.drain() if isinstance(e, GrantLock)]
+    assert sorted((e.group, e.job, e.restored, e.switched) for e in granted) == [
+        ("s", "sampler", True, True),
+        ("t", "trainer", True, True),
+    ]
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout", "close", "exit"])
+def test_one_member_leaving_withdraws_the_whole_gang(harness: Make, how: str) -> None:
+    h, s = pools(harness)
+    h.acquire(s["s2"])
+    h.drain()
+    rid_t = h.acquire(s["trainer"], 5.0, gang="g", members=2)
+    rid_s = h.acquire(s["sampler"], gang="g", members=2)
+    if how == "cancel":
+        h.cancel(s["trainer"], rid_t)
+    elif how == "timeout":
+        h.timers(5.0)
+    elif how == "close":
+        h.close(s["trainer"])
+    else:
+        h.exit("trainer")
+    failed = {e.ticket: e.error for e in h.drain() if isinstance(e, FailRequest)}
+    assert isinstance(failed[(s["sampler"], rid_s)], errors.AcquireCancelled)
+    assert "gang 'g'" in failed[(s["sampler"], rid_s)].message
+    assert h.queue("t") == [] and h.queue("s") == [] and h.s.queues.gangs == {}
+    h.release(s["s2"])
+    assert h.drain() == []  # nobody waits any more: the sampler was not granted alone
+
+
+def test_a_gang_not_yet_complete_withdraws_too(harness: Make) -> None:
+    h, s = pools(harness)
+    rid = h.acquire(s["trainer"], gang="g", members=3)
+    h.cancel(s["trainer"], rid)
+    assert h.s.queues.gangs == {} and h.queue("t") == []
+
+
+def test_crossed_gangs_do_not_deadlock(harness: Make) -> None:
+    """G1 and G2 both span t and s, their members arriving crossed (t: G1 first, s: G2 first).
+    Each group orders them by when each was complete, so G2 (complete first) goes, then G1."""
+    h, s = pools(harness)
+    h.acquire(s["trainer"], gang="G1", members=2)
+    h.acquire(s["s2"], gang="G2", members=2)
+    h.acquire(s["t2"], gang="G2", members=2)
+    assert grants(h) == {"t": "t2", "s": "s2"}
+    h.acquire(s["sampler"], gang="G1", members=2)
+    h.release(s["t2"])
+    assert grants(h) == {}  # G1 waits whole for s
+    h.release(s["s2"])
+    assert grants(h) == {"t": "trainer", "s": "sampler"}
+
+
+def test_gangs_rank_under_the_groups_policy(harness: Make) -> None:
+    h = harness(FOUR, queue_policies={"*": QueuePolicy("priority")})
+    hold = h.register("H", "t", (0,))
+    low = h.register("low", "t", (0,))
+    trainer = h.register("trainer", "t", (0,), priority=3)
+    sampler = h.register("sampler", "s", (1,))
+    h.acquire(hold)
+    h.acquire(low)
+    h.acquire(trainer, gang="g", members=2)
+    h.acquire(sampler, gang="g", members=2)
+    h.drain()
+    h.release(hold)
+    assert grants(h) == {"t": "trainer", "s": "sampler"}
+
+
+@pytest.mark.parametrize(
+    ("setup", "event", "match"),
+    [
+        ("", AcquireRequested(0, 99, gang="g", members=0), "1 to 64"),
+        ("", AcquireRequested(0, 99, gang="g", members=65), "1 to 64"),
+        ("member", AcquireRequested(0, 99, gang="g", members=3), "has 2 members"),
+        ("member", AcquireRequested(-1, 99, gang="g", members=2), "already has a member in group 't'"),
+        ("holds", AcquireRequested(0, 99, gang="g", members=2), "holds group 't' already"),
+        ("waits", AcquireRequested(0, 99, gang="g", members=2), "already waits"),
+        ("gang-waits", AcquireRequested(0, 99), "as a member of gang 'g'"),
+        ("shared", AcquireRequested(0, 99, gang="g", members=2), "shares GPUs"),
+    ],
+)
+def test_bad_gang_acquires_change_nothing(harness: Make, setup: str, event: AcquireRequested, match: str) -> None:
+    h, s = pools(harness)
+    sampler, t2 = s["sampler"], s["t2"]
+    session = sampler
+    if setup == "member":
+        h.acquire(s["trainer"], gang="g", members=2)
+    if setup == "member" and event.session == -1:
+        session = t2
+    if setup == "holds":
+        h.acquire(s["trainer"])
+        session = s["trainer"]
+    if setup in ("waits", "gang-waits"):
+        h.acquire(s["s2"])
+        if setup == "waits":
+            h.acquire(sampler)
+        else:
+            h.acquire(sampler, gang="g", members=2)
+    if setup == "shared":
+        other = h.register("other", "u", (1,))
+        h.acquire(s["sampler"], gang="g", members=2)
+        session = other
+    h.drain()
+    h.fails(
+        AcquireRequested(session, event.request_id, gang=event.gang, members=event.members), errors.BadRequest, match
+    )
+
+
+def test_a_complete_gang_id_is_not_taken_again(harness: Make) -> None:
+    h, s = pools(harness)
+    h.acquire(s["s2"])
+    h.acquire(s["trainer"], gang="solo", members=1)
+    assert grants(h) == {"s": "s2", "t": "trainer"}  # a gang of one is an ordinary acquire
+    h.release(s["trainer"])
+    h.acquire(s["trainer"], gang="g", members=2)
+    h.acquire(s["sampler"], gang="g", members=2)  # complete; waits for s
+    h.fails(AcquireRequested(s["t2"], 500, gang="g", members=2), errors.BadRequest, "complete already")
+    h.release(s["s2"])
+    assert grants(h) == {"t": "trainer", "s": "sampler"}
+    h.release(s["trainer"])
+    h.release(s["sampler"])
+    h.acquire(s["trainer"], gang="g", members=2)  # done with: the id is free again
+    h.acquire(s["sampler"], gang="g", members=2)
+    assert grants(h) == {"t": "trainer", "s": "sampler"}
+
+
+def test_gangs_ranked_crossed_by_priority_do_not_deadlock(harness: Make) -> None:
+    """Under ``priority``, G1 ranks first in t (its trainer is higher) and G2 first in s: were both
+    chosen, each would wait for the other's group for ever. Only the gang complete first (G1) is a
+    candidate in a group both wait in, so G1 goes, then G2."""
+    h = harness(FOUR, queue_policies={"*": QueuePolicy("priority", aging_s=1000.0)})
+    holders = {"t": h.register("ht", "t", (0,)), "s": h.register("hs", "s", (1,))}
+    t_hi, t_lo = h.register("t_hi", "t", (0,), priority=5), h.register("t_lo", "t", (0,))
+    s_hi, s_lo = h.register("s_hi", "s", (1,), priority=5), h.register("s_lo", "s", (1,))
+    for s in holders.values():
+        h.acquire(s)
+    h.acquire(t_hi, gang="G1", members=2)
+    h.acquire(s_lo, gang="G1", members=2)
+    h.acquire(t_lo, gang="G2", members=2)
+    h.acquire(s_hi, gang="G2", members=2)
+    h.drain()
+    h.release(holders["t"])
+    h.release(holders["s"])
+    assert grants(h) == {"t": "t_hi", "s": "s_lo"}
+    h.release(t_hi)
+    h.release(s_lo)
+    assert grants(h) == {"t": "t_lo", "s": "s_hi"}

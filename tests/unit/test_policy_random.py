@@ -1,0 +1,224 @@
+"""Random workloads under each queue policy, and random gangs: the bounds the policies state hold.
+
+Per policy (``policy.py``): a waiter that arrived at ``t`` with window ``W`` is passed by no waiter
+that arrived after ``t + W``, and after ``t + W`` at most ``N - 1`` grants of its group come before
+its own (``N`` jobs). Gangs: members are granted in one step or not at all, and once arrivals stop
+and holders keep releasing, every waiter, gang or single, is granted (no deadlock). The harness
+checks ``check_invariants(now)`` after every input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from timesliced import errors
+from timesliced.core.events import FailRequest, GrantLock
+from timesliced.core.policy import QueuePolicy, Standing
+
+from ..helpers.harness import Harness
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@dataclass
+class Waiting:
+    arrived: float
+    window: float
+    grants_after: int = 0  # grants of the group since arrived + window
+
+
+def check_bound(policy: QueuePolicy, data: st.DataObject, jobs: int) -> None:
+    h = Harness(queue_policies={"*": policy})
+    names = [f"j{i}" for i in range(jobs)]
+    sessions = {}
+    for n in names:
+        sessions[n] = h.register(
+            n,
+            priority=data.draw(st.integers(-2, 2), label=f"{n} priority"),
+            weight=data.draw(st.sampled_from([0.5, 1.0, 3.0]), label=f"{n} weight"),
+        )
+    waiting: dict[str, Waiting] = {}
+    holder: str | None = None
+
+    def on_grants() -> None:
+        nonlocal holder
+        for e in h.drain():
+            if not isinstance(e, GrantLock) or e.again:
+                continue
+            job = e.job
+            mine = waiting.pop(job)
+            for other, w in waiting.items():
+                assert mine.arrived <= w.arrived + w.window, (
+                    f"{job} (arrived {mine.arrived}) passed {other} (arrived {w.arrived}, window {w.window})"
+                )
+                if h.now >= w.arrived + w.window:
+                    w.grants_after += 1
+                    assert w.grants_after <= jobs - 1, f"{other} waited past its bound"
+            holder = job
+
+    for _ in range(data.draw(st.integers(10, 80), label="steps")):
+        action = data.draw(st.sampled_from(["acquire", "release", "time", "cancel"]), label="action")
+        if action == "time":
+            h.advance(data.draw(st.sampled_from([0.0, 0.5, 3.0, 20.0]), label="dt"))
+        elif action == "acquire":
+            idle = [n for n in names if n != holder and n not in waiting]
+            if idle:
+                job = data.draw(st.sampled_from(idle), label="who")
+                ctx = Standing.of(h.s.jobs.values())
+                waiting[job] = Waiting(h.now, policy.window(h.s.jobs[job], ctx))
+                h.acquire(sessions[job])
+                on_grants()
+        elif action == "release" and holder is not None:
+            h.release(sessions[holder])
+            holder = None
+            on_grants()
+        elif action == "cancel" and waiting:
+            job = data.draw(st.sampled_from(sorted(waiting)), label="cancelled")
+            rid = next(t[1] for w in h.s.groups["g"].queue if w.job == job for t in w.tickets)
+            h.cancel(sessions[job], rid)
+            del waiting[job]
+            h.drain()
+    while holder is not None:  # quiesce: everyone is granted in turn
+        h.advance(1.0)
+        h.release(sessions[holder])
+        holder = None
+        on_grants()
+    assert not waiting and h.queue() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy", [QueuePolicy("fifo"), QueuePolicy("priority", aging_s=2.0), QueuePolicy("fair", aging_s=5.0)]
+)
+@SETTINGS
+@given(data=st.data())
+def test_every_waiter_is_granted_within_its_policys_bound(policy: QueuePolicy, data: st.DataObject) -> None:
+    check_bound(policy, data, jobs=data.draw(st.integers(2, 5), label="jobs"))
+
+
+def test_the_bound_check_can_fail() -> None:
+    """A policy that orders by priority yet claims a window of 0 is caught passing a waiter."""
+
+    class Lying(QueuePolicy):
+        def window(self, job: Any, ctx: Standing) -> float:
+            return 0.0
+
+    @settings(max_examples=200, deadline=None, database=None, report_multiple_bugs=False, phases=[Phase.generate])
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        check_bound(Lying("priority", aging_s=1000.0), data, jobs=3)
+
+    with pytest.raises(AssertionError, match=r"passed|past its bound"):
+        run()
+
+
+GROUPS = ("a", "b", "c")
+
+
+@pytest.mark.slow
+@SETTINGS
+@given(data=st.data())
+def test_gangs_never_deadlock_and_are_granted_whole(data: st.DataObject) -> None:
+    policy = data.draw(st.sampled_from(["fifo", "priority", "fair"]), label="policy")
+    h = Harness({0: 100, 1: 100, 2: 100}, queue_policies={"*": QueuePolicy(policy, aging_s=1000.0)})
+    sessions: dict[str, int] = {}
+    group_of: dict[str, str] = {}
+    for i, g in enumerate(GROUPS):
+        for k in range(3):
+            name = f"{g}{k}"
+            sessions[name] = h.register(name, g, (i,), priority=data.draw(st.sampled_from([0, 5]), label="prio"))
+            group_of[name] = g
+    busy: set[str] = set()  # jobs that wait or hold
+    holding: set[str] = set()
+    gang_of: dict[str, str] = {}  # job -> gang, while it waits as a member
+    gangs: dict[str, set[str]] = {}
+    tickets: dict[str, int] = {}
+    n = 0
+
+    def settle() -> None:
+        effects = h.drain()
+        granted = {e.job for e in effects if isinstance(e, GrantLock) and not e.again}
+        failed = {h.s.sessions.get(e.ticket[0]) for e in effects if isinstance(e, FailRequest)}
+        for gang, members in list(gangs.items()):
+            got = members & granted
+            assert not got or got == members, f"gang {gang} granted in part: {got} of {members}"
+            gone = members & failed
+            if got or gone:
+                assert not gone or gone == members, f"gang {gang} withdrawn in part: {gone} of {members}"
+                del gangs[gang]
+                for m in members:
+                    gang_of.pop(m, None)
+        holding.update(granted)
+        for job in failed:
+            if job is not None:
+                busy.discard(job)
+
+    for _ in range(data.draw(st.integers(5, 60), label="steps")):
+        action = data.draw(st.sampled_from(["single", "gang", "release", "time", "cancel"]), label="action")
+        idle = [j for j in sessions if j not in busy]
+        if action == "single" and idle:
+            job = data.draw(st.sampled_from(idle), label="single")
+            busy.add(job)
+            tickets[job] = h.acquire(sessions[job])
+        elif action == "gang":
+            size = data.draw(st.integers(2, 3), label="size")
+            groups = data.draw(st.permutations(GROUPS), label="groups")[:size]
+            members = []
+            for g in groups:
+                free = [j for j in idle if group_of[j] == g]
+                if free:
+                    members.append(data.draw(st.sampled_from(free), label="member"))
+            if len(members) < 2:
+                continue
+            n += 1
+            gang = f"G{n}"
+            gangs[gang] = set(members)
+            for m in data.draw(st.permutations(members), label="arrival"):
+                busy.add(m)
+                gang_of[m] = gang
+                tickets[m] = h.acquire(sessions[m], gang=gang, members=len(members))
+                if data.draw(st.booleans(), label="interleave"):
+                    settle()
+                    if holding:
+                        out = data.draw(st.sampled_from(sorted(holding)), label="releases meanwhile")
+                        h.release(sessions[out])
+                        holding.discard(out)
+                        busy.discard(out)
+        elif action == "release" and holding:
+            job = data.draw(st.sampled_from(sorted(holding)), label="release")
+            h.release(sessions[job])
+            holding.discard(job)
+            busy.discard(job)
+        elif action == "time":
+            h.advance(data.draw(st.sampled_from([0.5, 4.0]), label="dt"))
+        elif action == "cancel":
+            waiting = sorted(j for j in busy if j not in holding)
+            if waiting:
+                job = data.draw(st.sampled_from(waiting), label="cancel")
+                try:
+                    h.cancel(sessions[job], tickets[job])
+                except errors.TimeslicedError:
+                    pass
+                busy.discard(job)
+        settle()
+    # Complete every gang still missing members, then keep releasing: everyone must be granted.
+    for _ in range(100):
+        settle()
+        if not holding:
+            break
+        for job in sorted(holding):
+            h.advance(1.0)
+            h.release(sessions[job])
+            holding.discard(job)
+            busy.discard(job)
+        settle()
+    pending = {g: m for g, m in h.s.queues.gangs.items() if m.seq is None}
+    assert all(not h.s.groups[g].queue or all(w.gang in pending for w in h.s.groups[g].queue) for g in GROUPS), (
+        "deadlock: waiters left that could be granted",
+        {g: [(w.job, w.gang) for w in h.s.groups[g].queue] for g in GROUPS},
+    )

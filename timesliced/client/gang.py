@@ -1,0 +1,108 @@
+"""Gang acquire: several clients' groups held together, all granted in one step or none.
+
+A trainer's weight sync into its sampler needs both pools at once: ``with timesliced.gang(trainer,
+sampler):`` asks for every client's group as one gang and holds them all for the block. The daemon
+(the cluster's leader, for clients on several nodes) grants every member in one step, never some
+of them; gangs that share groups are ordered alike in each, so two gangs cannot each hold half of
+what the other needs. Clients of other processes or nodes join a gang with
+``client.acquire(gang=ID, members=N)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+from .. import errors
+
+if TYPE_CHECKING:
+    from .aio import AsyncClient
+    from .codec import Grant
+    from .sync import Client
+
+# a gang waits apart until every member asked: each client submits its member before any waits
+
+
+def _members(clients: Sequence[Any], name: str | None) -> tuple[str, int]:
+    if len(clients) < 1:
+        raise ValueError("a gang needs at least one client")
+    if len({id(c) for c in clients}) != len(clients):
+        raise ValueError("each client may be a member of a gang once")
+    return name or f"gang-{uuid.uuid4().hex}", len(clients)
+
+
+@contextmanager
+def gang(*clients: Client, timeout: float | None = None, name: str | None = None) -> Iterator[list[Grant]]:
+    """Hold every client's group for the block: all granted at once, or none; returns their grants.
+
+    ``timeout`` bounds the wait for all of them; ``name``: the gang's id (default: a fresh one).
+    Raises what the members' acquires raise (``AcquireTimeout``; ``AcquireCancelled`` when another
+    member stopped waiting; ``BadRequest`` for clients of one group or of groups that share GPUs);
+    then none of them holds. On leaving the block each releases.
+    """
+    gang_id, size = _members(clients, name)
+    waiters = [c._submit(functools.partial(c._core.acquire, timeout, gang=gang_id, members=size)) for c in clients]
+    grants: list[Grant] = []
+    try:
+        for client, waiter in zip(clients, waiters, strict=True):
+            grants.append(client._wait(waiter))
+    except BaseException:
+        for client, waiter in list(zip(clients, waiters, strict=True))[len(grants) + 1 :]:
+            _abandon(client, waiter[0])
+        for client in clients[: len(grants)]:
+            _release_quietly(client)
+        raise
+    try:
+        yield grants
+    finally:
+        for client in clients:
+            _release_quietly(client)
+
+
+@asynccontextmanager
+async def gang_async(
+    *clients: AsyncClient, timeout: float | None = None, name: str | None = None
+) -> AsyncIterator[list[Grant]]:
+    """``async with timesliced.gang_async(a, b):``: ``gang`` for ``AsyncClient``s (same raises)."""
+    gang_id, size = _members(clients, name)
+    waiters = [c._submit(functools.partial(c._core.acquire, timeout, gang=gang_id, members=size)) for c in clients]
+    grants: list[Grant] = []
+    try:
+        for client, waiter in zip(clients, waiters, strict=True):
+            grants.append(await client._wait(waiter))
+    except BaseException:
+        for client, waiter in list(zip(clients, waiters, strict=True))[len(grants) + 1 :]:
+            client._waiters.pop(waiter[0], None)
+            client._step(functools.partial(client._core.abandon, waiter[0]))
+        for client in clients[: len(grants)]:
+            await _arelease_quietly(client)
+        raise
+    try:
+        yield grants
+    finally:
+        for client in clients:
+            await _arelease_quietly(client)
+
+
+def _abandon(client: Client, rid: int) -> None:
+    """The caller stops waiting for ``rid``: it leaves the queue (a grant that won the race goes back)."""
+    with client._lock:
+        client._waiters.pop(rid, None)
+    client._step(functools.partial(client._core.abandon, rid))
+
+
+def _release_quietly(client: Client) -> None:
+    try:
+        client.release()
+    except errors.NotHolder:
+        pass  # never granted, or lost meanwhile: nothing to give back
+
+
+async def _arelease_quietly(client: AsyncClient) -> None:
+    try:
+        await client.release()
+    except errors.NotHolder:
+        pass
