@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from timesliced.bench import scenario as sc
-from timesliced.bench.workload import MODES, Checked, contents, figures, overlaps, placement, supported_flags
+from timesliced.bench.workload import MODES, Checked, contents, figures, overlaps, placement
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -152,14 +152,6 @@ def test_the_modes_place_workers_as_documented() -> None:
     }
     assert MODES["reference"].daemon_flags == ("--park-every-handoff", "--no-prefetch")
     assert MODES["serial"].serial and not MODES["timesliced"].serial
-
-
-def test_only_the_flags_serve_lists_are_passed() -> None:
-    help_text = "  --gpus GPUS  number\n  --no-prefetch, --prefetch-off   restore ahead\n"
-    assert supported_flags(("--park-every-handoff", "--no-prefetch"), help_text) == (
-        ["--no-prefetch"],
-        ["--park-every-handoff"],
-    )
 
 
 # --- the checkers can fail ------------------------------------------------------------------------

@@ -24,7 +24,6 @@ counted, and the grants' waits and switch times.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import socket
@@ -57,15 +56,15 @@ TRAINER, SAMPLER = "trainer", "sampler"
 class Mode:
     """How one mode runs: where the workers go, whether jobs run one after another, and options.
 
-    ``daemon_flags`` are passed to ``serve`` where its ``--help`` lists them (others are left out
-    with a warning); ``client_options`` name ``Client`` keywords used where its signature has them.
+    ``daemon_flags`` are passed to ``serve``; ``declare_memory``: each worker registers the memory
+    it will hold (``memory=``), so jobs that fit stay resident together.
     """
 
     name: str
     placement: str  # "dedicated": a GPU (and group) per worker; "shared": a trainer GPU and a sampler GPU
     serial: bool  # jobs one after another
     daemon_flags: tuple[str, ...] = ()
-    client_options: tuple[str, ...] = ()
+    declare_memory: bool = False
     about: str = ""
 
 
@@ -81,7 +80,7 @@ MODES: dict[str, Mode] = {
             daemon_flags=("--park-every-handoff", "--no-prefetch"),
             about="time-sliced FIFO that parks on every handoff, no prefetch",
         ),
-        Mode("timesliced", "shared", False, client_options=("memory",), about="the daemon as it is, memory declared"),
+        Mode("timesliced", "shared", False, declare_memory=True, about="the daemon as it is, memory declared"),
     )
 }
 
@@ -93,18 +92,6 @@ def placement(scenario: Scenario, mode: Mode) -> tuple[int, dict[str, tuple[str,
         return len(workers), {w: (w, i) for i, w in enumerate(workers)}
     shared = {TRAINER: (TRAINER, 0), SAMPLER: (SAMPLER, 1)}
     return 2, {w: shared[w.rsplit("-", 1)[1]] for w in workers}
-
-
-def supported_flags(flags: tuple[str, ...], help_text: str) -> tuple[list[str], list[str]]:
-    """The flags ``serve --help`` lists, and those it does not."""
-    listed = {word.rstrip(",") for word in help_text.split() if word.startswith("--")}
-    return [f for f in flags if f in listed], [f for f in flags if f not in listed]
-
-
-def client_supports(option: str) -> bool:
-    from ..client import Client
-
-    return option in inspect.signature(Client).parameters
 
 
 # --- checked contents -----------------------------------------------------------------------
@@ -194,27 +181,14 @@ def work(seconds: float, since: float) -> None:
 
 @contextmanager
 def hold_both(trainer: Any, sampler: Any, rec: Recorder) -> Iterator[None]:
-    """The weight sync's hold on the trainer's and the sampler's GPUs at once.
+    """The weight sync's hold on the trainer's and the sampler's GPUs at once: a gang acquire, so
+    both are granted in one step and neither GPU is held idle while the other is awaited."""
+    from ..client.gang import gang
 
-    GANG ACQUIRE GOES HERE, and only here: with ``timesliced.gang`` both locks are taken together,
-    so neither GPU is held idle while the other is awaited. Without it, the two are taken one after
-    the other in a fixed order (trainer group, then sampler group), which cannot deadlock since
-    nobody takes them the other way round, but holds the trainer GPU while the sampler's is awaited.
-    """
-    import timesliced
-
-    gang = getattr(timesliced, "gang", None)
-    if gang is not None:
-        with gang(trainer, sampler) as grants:
-            for g in grants if isinstance(grants, (list, tuple)) else ():
-                rec.grant(g)
-            yield
-        return
-    with trainer.slice() as a:
-        rec.grant(a)
-        with sampler.slice() as b:
-            rec.grant(b)
-            yield
+    with gang(trainer, sampler) as grants:
+        for g in grants:
+            rec.grant(g)
+        yield
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -415,22 +389,9 @@ class _Worker:
         self._stderr.close()
 
 
-def serve_help() -> str:
-    out = subprocess.run([sys.executable, "-m", "timesliced", "serve", "--help"], capture_output=True, text=True)
-    return out.stdout
-
-
-def run_mode(
-    scenario: Scenario, mode: Mode, help_text: str, warn: Callable[[str], Any] = lambda _m: None
-) -> dict[str, Any]:
+def run_mode(scenario: Scenario, mode: Mode) -> dict[str, Any]:
     """One mode on a fresh daemon: its figures (see ``figures``) and its timeline."""
     gpus, where = placement(scenario, mode)
-    flags, missing = supported_flags(mode.daemon_flags, help_text)
-    for flag in missing:
-        warn(f"{mode.name}: this daemon has no {flag}; the mode runs without it and shows less than it should")
-    declare = [o for o in mode.client_options if client_supports(o)]
-    for option in sorted(set(mode.client_options) - set(declare)):
-        warn(f"{mode.name}: this client takes no {option}=; the workers do not declare it")
     sizes = {
         j.name: {
             TRAINER: scenario.nbytes(j.trainer_gb),
@@ -440,7 +401,7 @@ def run_mode(
         for j in scenario.jobs
     }
     args = ["--gpus", str(gpus), "--gpu-memory", str(scenario.gpu_memory)]
-    args += ["--bandwidth", f"{scenario.sim_bandwidth_gbps:.6g}", "--lease", "0", *flags]
+    args += ["--bandwidth", f"{scenario.sim_bandwidth_gbps:.6g}", "--lease", "0", *mode.daemon_flags]
     expected = scenario.serial_s() if mode.serial else max(j.alone_min for j in scenario.jobs) * 3
     timeout = 60 + 4 * scenario.seconds(expected)
     with tempfile.TemporaryDirectory(prefix="timesliced-workload-") as tmp, DaemonProcess(*args) as daemon:
@@ -458,7 +419,7 @@ def run_mode(
                         "seconds_per_minute": scenario.seconds_per_minute,
                         "sizes": sizes[j.name],
                         "groups": {r: list(where[f"{j.name}-{r}"]) for r in j.workers},
-                        "declare_memory": "memory" in declare,
+                        "declare_memory": mode.declare_memory,
                     }
                     fd = None if pairs is None else pairs[i].fileno()
                     workers[j.name].append(_Worker(spec, fd, Path(tmp)))
@@ -598,7 +559,6 @@ def run_workload(
     unknown = [m for m in names if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
-    help_text = serve_help()
     report: dict[str, Any] = {
         "scenario": scenario.source,
         "lower_bound_s": scenario.lower_bound_s(),
@@ -607,7 +567,7 @@ def run_workload(
     }
     for name in names:
         progress(f"{name}: {MODES[name].about} ...")
-        report["modes"][name] = run_mode(scenario, MODES[name], help_text, warn=progress)
+        report["modes"][name] = run_mode(scenario, MODES[name])
     report["ratios"] = ratios(report)
     return report
 
