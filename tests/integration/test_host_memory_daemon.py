@@ -271,7 +271,8 @@ def test_a_snapshot_that_fills_a_small_tmpfs_leaves_both_jobs_usable(tmp_path: P
     # The park of a failed for want of room: b, which needed it, was told so at once, naming the cause.
     code, message = out["first"]["error"]
     assert code == "insufficient_host_memory", message
-    assert "job 'a' keeps 40.0 MiB on GPU 0 and could not be parked a moment ago" in message, message
+    # (told by the restore that streamed into a's room, or by the plan that waited for a's park)
+    assert "job 'a'" in message and "could not be parked" in message, message
     assert "no room for the parked copy of job 'a'" in message  # the backend's own words: ENOSPC on the tmpfs
     # a's state never left its GPU: not faulted, and the group is not shown as faulted either
     assert out["a_after"]["location"] == "resident" and out["a_after"]["faulted"] is None

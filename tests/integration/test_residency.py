@@ -98,3 +98,33 @@ def test_a_wrong_declaration_is_refused_with_what_to_do(state: Path) -> None:
         c.close()
     finally:
         daemon.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_switch_that_needs_the_outgoing_jobs_room_swaps_both_ways_at_once(state: Path, stream: bool) -> None:
+    """Two 40 MiB sim jobs on a 64 MiB GPU: each handoff parks one to restore the other, in one swap."""
+    daemon = started(state, stream_switches=stream)
+    try:
+        with (
+            timesliced.Client(job="a", group="g", address=daemon.socket) as a,
+            timesliced.Client(job="b", group="g", address=daemon.socket) as b,
+        ):
+            regions, sums = {}, {}
+            for name, client in (("a", a), ("b", b)):  # b's first grant parks a: a snapshot alone
+                client.acquire(timeout=10)
+                regions[name] = client.sim_alloc(40 * MiB)
+                regions[name].fill(name.encode())
+                sums[name] = regions[name].checksum()
+                client.release()
+            grant = a.acquire(timeout=10)  # park b, restore a: the pair streams
+            assert grant.restored and regions["a"].checksum() == sums["a"]
+            a.release()
+            recent = a.status()["moves"]["recent"]
+        swapped = [(r["job"], r["kind"], r["swap_with"]) for r in recent if r["swap_with"]]
+        if stream:
+            assert sorted(swapped) == [("a", "restore", "b"), ("b", "snapshot", "a")]
+            assert {r["direction"] for r in recent if r["swap_with"]} == {"to_host", "to_device"}
+        else:
+            assert swapped == []  # the same switch as a snapshot, then a restore
+    finally:
+        daemon.stop()

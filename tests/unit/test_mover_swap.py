@@ -130,3 +130,15 @@ def test_a_swap_is_a_snapshot_and_a_restore(sims: Sims) -> None:
     m, _, _ = mover(sims.backend())
     with pytest.raises(ValueError, match="a snapshot and a restore"):
         asyncio.run(m.swap(RunMove((1, 1, 1), "restore", "a"), RunMove((1, 1, 2), "snapshot", "b"), target, print))
+
+
+def test_a_swap_whose_park_could_not_start_refuses_its_restore_with_the_same_cause() -> None:
+    from timesliced.daemon.moves import _needed_room
+
+    short = _needed_room("a", errors.InsufficientHostMemory("no room for the parked copy of job 'a'"))
+    assert isinstance(short, errors.InsufficientHostMemory) and errors.state_intact(short)
+    assert "job 'a', whose room it streams into, could not be parked (no room" in short.message
+    refused = _needed_room("a", errors.ParkRefused("the engine said no"))
+    assert type(refused) is errors.RestoreRefused and "the engine said no" in refused.message
+    unknown = TimeoutError()
+    assert _needed_room("a", unknown) is unknown  # not refused: the swap's own failure, state unknown

@@ -321,6 +321,7 @@ class SimBackend:
                 )
             try:
                 self._punch(gpu, extents)  # new pages read as zeros
+                self._back(gpu, extents)  # and the job may write them without a SIGBUS
                 if j is None:
                     j = self._new_job(job)
                 record = RegionRecord(j.next_region, gpu, nbytes, extents)
@@ -552,6 +553,12 @@ class SimBackend:
                     capacity=self.capacity,
                 )
             placed.append(dataclasses.replace(r, extents=extents))
+            try:
+                self._back(r.gpu, extents)
+            except errors.InsufficientHostMemory:  # nothing written: the parked copy is whole
+                for done in placed:
+                    self._allocators[done.gpu].give(done.extents)
+                raise
         for record in placed:
             self._zero_tail(record)
         return placed
@@ -746,6 +753,28 @@ class SimBackend:
             if lo < start + length:
                 self._views[r.gpu][lo : start + length] = bytes(start + length - lo)
             covered += length
+
+    def _back(self, gpu: int, extents: tuple[Extent, ...]) -> None:
+        """Allocate the file system's pages behind ``extents`` of ``gpu``'s arena before they are written.
+
+        The arena is a sparse file: writing through its mapping into a page the file system cannot
+        allocate (a full tmpfs) kills the writer with SIGBUS, the daemon or a job alike.
+        ``posix_fallocate`` fails with ``ENOSPC`` instead, and costs little on pages that are there
+        already. Raises ``InsufficientHostMemory``; nothing was written.
+        """
+        fd = os.open(arena_path(self.root, gpu), os.O_RDWR)
+        try:
+            for page, count in extents:
+                os.posix_fallocate(fd, page * self.page_size, count * self.page_size)
+        except OSError as exc:
+            nbytes = sum(n for _, n in extents) * self.page_size
+            raise errors.InsufficientHostMemory(
+                f"no room in {self.root} for {nbytes} bytes of gpu {gpu}'s simulated device pages "
+                f"({os.strerror(exc.errno or 0)}): free space there (a bigger tmpfs, fewer parked jobs)",
+                gpu=gpu,
+            ) from None
+        finally:
+            os.close(fd)
 
     def _punch(self, gpu: int, extents: tuple[Extent, ...]) -> None:
         """Zero pages, handing their memory back to the host where the file system can."""
@@ -1190,7 +1219,14 @@ class _Swap:
             del pool[:take]
             free = sim._allocators[r.gpu]
             if len(got) < npages and free.free_pages:
-                got += _pages(free.take(min(npages - len(got), free.free_pages)) or ())
+                fresh = free.take(min(npages - len(got), free.free_pages)) or ()
+                try:
+                    sim._back(r.gpu, fresh)  # pages no park handed over may not be there yet (a full tmpfs)
+                except errors.InsufficientHostMemory:
+                    free.give(fresh)
+                    self.pool.setdefault(r.gpu, [])[:0] = got
+                    raise
+                got += _pages(fresh)
         self.b_placed[r.region] += got
         src = self.b_src[2]
         for page, count in _runs(got):

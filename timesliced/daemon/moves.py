@@ -105,14 +105,16 @@ class Mover:
             await self.run(restore, target, finished)
             return
         try:
-            self.crash.move_starting("snapshot", asyncio.get_running_loop())
+            loop = asyncio.get_running_loop()
+            self.crash.move_starting("snapshot", loop)  # both start now, and both run until the swap ends
+            self.crash.move_starting("restore", loop)
             async with timeout(self.op_timeout):
                 outcome: SwapResult = await swap(out, in_)
             self.crash.reached("after-snapshot")
             self.crash.reached("after-restore")
         except Exception as exc:  # cut short (a timeout) or not started: each move hears why
             self._failed(park, exc, finished)
-            self._failed(restore, exc, finished)
+            self._failed(restore, _needed_room(park.job, exc), finished)
             return
         for effect, half, other in ((park, outcome.park, restore.job), (restore, outcome.restore, park.job)):
             if isinstance(half, Exception):
@@ -172,3 +174,15 @@ class Mover:
         self.jobs.forget(target.name)
         log.info("job %r exited; its device and host memory is reclaimed", target.name)
         self.history.record("exited", self.clock(), job=target.name)
+
+
+def _needed_room(job: str, exc: Exception) -> Exception:
+    """What the restore of a swap hears when the swap did not start because ``job`` could not be parked.
+
+    A park refused with the state intact left the restore's parked copy untouched too: it is refused
+    (with the same cause, so a lack of host memory is told as one); any other failure is the swap's.
+    """
+    if not errors.state_intact(exc) or not isinstance(exc, errors.TimeslicedError):
+        return exc
+    refused = errors.InsufficientHostMemory if isinstance(exc, errors.InsufficientHostMemory) else errors.RestoreRefused
+    return refused(f"not started: job {job!r}, whose room it streams into, could not be parked ({exc.message})")

@@ -421,9 +421,13 @@ class Daemon:
 
     def _apply(self, effects: list[Any]) -> None:
         grants: list[RecordGrant] = []
+        swaps = _swaps(effects)
         for effect in effects:
             try:
-                if isinstance(effect, RecordGrant):
+                if isinstance(effect, RunMove) and (effect.key in swaps or effect in swaps.values()):
+                    if effect.key in swaps and not self._stopping.is_set():
+                        self._spawn(self._run_swap(effect, swaps[effect.key]))
+                elif isinstance(effect, RecordGrant):
                     self.crash.reached("at-grant")  # before the grant is written to its client
                     grants.append(effect)
                 else:
@@ -506,6 +510,17 @@ class Daemon:
         finally:
             done.set()
             self._moves_running.pop(effect.key, None)
+
+    async def _run_swap(self, park: RunMove, restore: RunMove) -> None:
+        """A snapshot and the restore that streams into its room, as one swap through the backend
+        (both directions of the link at once where it can, else one after the other)."""
+        done = [self._moves_running.setdefault(e.key, asyncio.Event()) for e in (park, restore)]
+        try:
+            await self.mover.swap(park, restore, self._target, self._move_finished)
+        finally:
+            for e, event in zip((park, restore), done, strict=True):
+                event.set()
+                self._moves_running.pop(e.key, None)
 
     def _move_finished(
         self, key: tuple[int, int, int], ok: bool, nbytes: int, seconds: float, error: str, intact: bool, code: str
@@ -677,3 +692,16 @@ async def _guarded(coro: Any) -> None:
         await coro
     except Exception:
         log.exception("a daemon task failed")
+
+
+def _swaps(effects: list[Any]) -> dict[tuple[int, int, int], RunMove]:
+    """snapshot key -> the restore of the same batch that streams into that snapshot's room alone."""
+    snapshots = {e.key for e in effects if isinstance(e, RunMove) and e.kind == "snapshot"}
+    return {
+        e.streams_with[0]: e
+        for e in effects
+        if isinstance(e, RunMove)
+        and e.kind == "restore"
+        and len(e.streams_with) == 1
+        and e.streams_with[0] in snapshots
+    }
