@@ -61,8 +61,9 @@ def test_three_daemons_elect_one_leader_and_forward(tmp_path: Path) -> None:
         group = next(g for g in status["groups"] if g["group"] == "pool")
         assert len(group["gpus"]) == 2  # GPU 0 of each follower
         # a job whose two processes overlap their holds keeps the lock ("again" grants) while they
-        # do, so how often the jobs alternate varies; state moved at least once between them
-        assert group["switches"] >= 1 and group["bytes_moved"] >= 40 * MiB, (group, status["cluster"]["era"])
+        # do, so how often the jobs alternate varies (the other may first hold once the first is done,
+        # its allocation parking it: a move but no switch); state moved at least once between them
+        assert group["bytes_moved"] >= 40 * MiB, (group, status["cluster"]["era"])
 
 
 @pytest.mark.parametrize("moment", ["idle", "switch"])

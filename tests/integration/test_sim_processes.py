@@ -133,9 +133,11 @@ def test_sim_free_returns_memory(daemon: EmbeddedDaemon) -> None:
         a.sim_alloc(64 * MiB)
 
 
-def test_bandwidth_model_sets_switch_time(tmp_path: object) -> None:
-    # 16 MiB out and 16 MiB in at 1 GB/s take at least 33 ms.
-    with EmbeddedDaemon(gpus=1, gpu_memory=24 * MiB, bandwidth=1e9) as d:
+@pytest.mark.parametrize("stream", [True, False])
+def test_bandwidth_model_sets_switch_time(tmp_path: object, stream: bool) -> None:
+    # 16 MiB out and 16 MiB in at 1 GB/s each way: at least 16.8 ms streamed (both directions at
+    # once), at least 33.6 ms one after the other.
+    with EmbeddedDaemon(gpus=1, gpu_memory=24 * MiB, bandwidth=1e9, stream_switches=stream) as d:
         a = timesliced.Client(job="a", group="g", address=d.socket)
         b = timesliced.Client(job="b", group="g", address=d.socket)
         with a.slice():
@@ -143,6 +145,6 @@ def test_bandwidth_model_sets_switch_time(tmp_path: object) -> None:
         with b.slice():
             b.sim_alloc(16 * MiB).fill(b"b")
         with a.slice() as grant:
-            assert grant.restored and grant.switch_s >= 2 * 16 * MiB / 1e9
+            assert grant.restored and grant.switch_s >= (1 if stream else 2) * 16 * MiB / 1e9
         a.close()
         b.close()

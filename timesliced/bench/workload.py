@@ -226,9 +226,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             assert pair is not None and peer is not None
             regions = _trainer(job, own, peer, groups, sizes, spm, pair, rec)
-        for r in regions:  # freed now, so that the next job of a serial run finds the memory free
-            own.sim_free(r.region)
         finished = time.monotonic()
+        # Freed inside a slice (where nobody moves the job's state: outside one a prefetch or a switch
+        # may be moving it), so that the next job of a serial run finds the memory free.
+        with own.slice():
+            for r in regions:
+                own.sim_free(r.region)
     return {
         "worker": f"{job.name}-{role}",
         "job": job.name,
