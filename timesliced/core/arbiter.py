@@ -26,6 +26,7 @@ from .moves import Moves
 from .policy import QueuePolicies, Standing
 from .queues import BLOCKED, LockQueues
 from .registry import Registry
+from .residency import sized
 from .slices import SlicePolicies
 from .undo import Fields, Journal
 
@@ -84,7 +85,7 @@ class Arbiter:
             if group.holder is None:
                 if group.switch is None:
                     self.advance(group, now)
-            elif policy(group.name) is not None or self._prefetching:
+            elif policy(group.name) is not None or self._may_prefetch(group):
                 self.advance(group, now)
 
     def advance(self, group: Group, now: float) -> None:
@@ -119,6 +120,15 @@ class Arbiter:
                 return
             self._start_switch(group, job, plan, now)
             return
+
+    def _may_prefetch(self, group: Group) -> bool:
+        """Cheaply, whether ``_prefetch`` could restore anyone of held ``group`` now (False: it would not)."""
+        if not self._prefetching or not self._registry.sized:
+            return False  # only a job that declared its memory is ever prefetched
+        if self.policies.policy(group.name).name != "fifo" or self._queues.gangs:
+            return True  # the policy's choice costs a look at every waiter: leave it to ``_prefetch``
+        job = self._registry.jobs.get(group.queue[0].job)
+        return job is not None and job.location is Location.PARKED and sized(job)
 
     def next_waiter(self, group: Group) -> Waiter | None:
         """The waiter the group's policy would grant next once it is free: the one a prefetch restores

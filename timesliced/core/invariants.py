@@ -95,12 +95,14 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves, gangs: Mapping
         # the ledger's indexes (registry): every GPU a footprint counts on, every exclusive job
         assert all(job.name in registry.on_gpu.get(g, {}) for g, n in job.footprint.items() if n), (job.name, "on_gpu")
         assert (job.name in registry.exclusive) == job.exclusive, (job.name, "exclusive")
+        assert (job.name in registry.sized) == (job.exclusive and bool(job.declared)), (job.name, "sized")
         assert not job.parked or job.location in HOLDS_HOST, (
             f"{job.name} is {job.location.value}, yet counts parked bytes"
         )
         assert all(n > 0 for n in job.parked.values()), job.name
     assert all(registry.jobs.get(n) is j for on in registry.on_gpu.values() for n, j in on.items()), "on_gpu"
     assert all(registry.jobs.get(n) is j for n, j in registry.exclusive.items()), "exclusive"
+    assert all(registry.jobs.get(n) is j for n, j in registry.sized.items()), "sized"
     assert set(registry.rank) == set(jobs), "rank"
     refused = {n for n, j in jobs.items() if j.refusal is not None}
     assert refused <= set(ledger.host.refused_jobs), ("refused_jobs", refused - set(ledger.host.refused_jobs))

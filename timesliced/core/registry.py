@@ -31,6 +31,7 @@ class Registry:
         # (journaled like the rest; ``invariants.check`` holds them to ``jobs``):
         self.on_gpu: dict[int, dict[str, Job]] = {}  # gpu -> every job with memory counted there (and maybe more)
         self.exclusive: dict[str, Job] = {}  # the jobs registered ``exclusive``
+        self.sized: dict[str, Job] = {}  # the exclusive jobs that declared their memory (``residency.sized``)
         self.rank: dict[str, int] = {}  # job -> its place in ``jobs``: sorting by it keeps the order of a scan
         self._ranks = itertools.count()
         self._journal = journal
@@ -102,6 +103,9 @@ class Registry:
         if memory and any(job.declared.get(g) != n for g, n in memory.items()):
             journal.fields(job, DECLARED)
             job.declared = {**job.declared, **{g: n for g, n in memory.items() if n}}
+            if job.exclusive and job.declared and job.name not in self.sized:
+                journal.keep_key(self.sized, job.name)
+                self.sized[job.name] = job
             if job.exclusive:
                 journal.fields(job, FOOTPRINT)
                 job.footprint = planned(job.declared, job.peak)
@@ -200,6 +204,8 @@ class Registry:
         journal.delete(self.rank, name)
         if name in self.exclusive:
             journal.delete(self.exclusive, name)
+        if name in self.sized:
+            journal.delete(self.sized, name)
         for jobs in self.on_gpu.values():
             if name in jobs:
                 journal.delete(jobs, name)
