@@ -406,6 +406,17 @@ def test_api_shapes() -> None:
     run(body)
 
 
+def test_api_advice_is_the_advisors_document_and_says_what_history_is_missing() -> None:
+    async def body(client: Any, source: FakeSource) -> None:
+        advice = await get_json(client, "/api/v1/advice")
+        assert set(advice) >= {"current", "suggested", "missing", "message", "min_phases"}
+        assert advice["min_phases"] == 5 and advice["message"] and advice["suggested"] == []
+        assert {m["job"] for m in advice["missing"]} == {"rl-math", "sft-chat", "rl-code"}  # no phases yet
+        assert (await get_json(client, "/api/v1/advice?min_phases=2"))["min_phases"] == 2
+
+    run(body)
+
+
 def test_api_unknown_names_and_routes_are_404_json() -> None:
     async def body(client: Any, source: FakeSource) -> None:
         error = await get_json(client, "/api/v1/groups/nope", 404)
@@ -436,6 +447,8 @@ def test_api_unknown_names_and_routes_are_404_json() -> None:
         "events?limit=0",
         "events?limit=1001",
         "events?limit=ten",
+        "advice?min_phases=0",
+        "advice?min_phases=x",
         "stream?after=-3",
         "stream?timeline=1",
     ],

@@ -13,6 +13,7 @@ Every answer is ``Cache-Control: no-store``; errors are ``{"error": {"code", "me
                                     ``residency``, ``processes`` and ``moves`` {summary, recent}
 ``GET /api/v1/timeline?window=S``   the source's timeline, 10 <= S <= 86400 (default 600)
 ``GET /api/v1/events?after=ID&limit=N``  ``[event]``, N <= 1000 (default 100)
+``GET /api/v1/advice?min_phases=N``  placement advice from the jobs' phases (``timesliced advise --json``'s document)
 
 The admin routes are in ``admin.py``, the live stream in ``stream.py``. ``/metrics`` is the given
 callable's answer (404 without one), ``/healthz`` is 200 while serving and ``/readyz`` 200 while the
@@ -24,6 +25,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from .. import errors
+from ..core.advisor import Options, advise
 from .context import SETTINGS, SOURCE
 from .encoding import json_response
 from .params import DEFAULT_EVENTS, DEFAULT_WINDOW_S, MAX_EVENTS, HttpError, int_param, window_param
@@ -91,6 +93,12 @@ async def events(request: web.Request) -> web.Response:
     after = int_param(request, "after", 0, 0, 2**63 - 1)
     limit = int_param(request, "limit", DEFAULT_EVENTS, 1, MAX_EVENTS)
     return json_response(request.app[SOURCE].events(after, limit))
+
+
+async def advice(request: web.Request) -> web.Response:
+    """What ``timesliced advise --json`` prints, from the source's status (its ``message`` says what is missing)."""
+    min_phases = int_param(request, "min_phases", Options.min_phases, 1, 256)
+    return json_response(advise(request.app[SOURCE].status(), Options(min_phases=min_phases)))
 
 
 # --- probes -------------------------------------------------------------------------------

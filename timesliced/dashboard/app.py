@@ -90,6 +90,7 @@ def make_app(
             web.get(f"{API}/jobs/{{name}}", api.job),
             web.get(f"{API}/timeline", api.timeline),
             web.get(f"{API}/events", api.events),
+            web.get(f"{API}/advice", api.advice),
             web.get(f"{API}/stream", serve_stream, allow_head=False),
             web.get(f"{API}/admin", admin.state),
             web.post(f"{API}/groups/{{name}}/release", admin.release),
