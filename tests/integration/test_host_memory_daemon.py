@@ -160,12 +160,14 @@ def test_a_cgroup_without_room_refuses_the_park_and_says_so(run_daemon: Any, tmp
 # --- a small tmpfs that fills during a park ------------------------------------------------------
 
 SCENARIO = """
-import json, os, sys, threading, time
+import json, os, sys, time
 from pathlib import Path
 import timesliced
 from timesliced import errors
+from timesliced.backends.sim import SimBackend
 from timesliced.config import DaemonConfig
 from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.sim.layout import parked_dir
 
 MiB = 1 << 20
 sim_dir, state = Path(sys.argv[1]), Path(sys.argv[2])
@@ -190,25 +192,29 @@ with EmbeddedDaemon(config) as daemon:
     ra.fill(b"aaaa"); digest_a = ra.checksum()
     a.release()
     filler = sim_dir / "filler"
+    def fill():
+        with open(filler, "wb") as f:
+            try:
+                for _ in range(64):
+                    f.write(b"f" * MiB)
+            except OSError as exc:
+                out["filler"] = exc.errno
+    # Something else fills the tmpfs once the daemon has let a's park start, just before the
+    # backend opens a's first parked file: the reading it admitted the park by is out of date.
+    open_parked = SimBackend._open_parked
+    def open_parked_after_a_fill(backend, folder, record, *, reserve):
+        if folder == parked_dir(backend.root, "a") and "filled" not in out:
+            out["filled"] = True
+            fill()
+        return open_parked(backend, folder, record, reserve=reserve)
+    SimBackend._open_parked = open_parked_after_a_fill
     got = {}
-    def acquire_b():
-        try:
-            b.acquire(timeout=60)
-            got["granted"] = True
-        except errors.TimeslicedError as exc:
-            got["error"] = [exc.code, exc.message]
-    t = threading.Thread(target=acquire_b)
-    t.start()  # a must be parked for b: its copy to the tmpfs takes two seconds
-    deadline = time.monotonic() + 20
-    while job_of(a, "a")["location"] != "parking" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    with open(filler, "wb") as f:  # meanwhile something else fills the tmpfs
-        try:
-            for _ in range(64):
-                f.write(b"f" * MiB)
-        except OSError as exc:
-            out["filler"] = exc.errno
-    t.join(60)
+    try:
+        b.acquire(timeout=60)  # a must be parked for b
+        got["granted"] = True
+    except errors.TimeslicedError as exc:
+        got["error"] = [exc.code, exc.message]
+    SimBackend._open_parked = open_parked
     out["first"] = got
     out["a_after"] = {k: job_of(a, "a")[k] for k in ("location", "faulted", "park_refused")}
     out["group_after"] = next(g["state"] for g in a.status()["groups"] if g["group"] == "g")
@@ -219,7 +225,7 @@ with EmbeddedDaemon(config) as daemon:
     except errors.TimeslicedError as exc:
         out["second"] = [exc.code, exc.message]
     out["second_s"] = time.monotonic() - t0
-    a.acquire()  # a's bytes never left its GPU: its next slice just works
+    a.acquire(timeout=30)  # a's bytes never left its GPU: its next slice just works
     out["a_intact"] = ra.checksum() == digest_a
     a.release()
     filler.unlink()  # the room comes back; the daemon's next reading sees it
