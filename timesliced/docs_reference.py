@@ -85,6 +85,8 @@ def _metavar(action: argparse.Action) -> str:
         return f"[{words} ...]"
     if action.nargs == "+":
         return f"{words} [{words} ...]"
+    if action.nargs in (argparse.REMAINDER, argparse.PARSER):
+        return f"{words} ..."
     if isinstance(action.nargs, int) and action.nargs > 1:
         return " ".join([words] * action.nargs)
     return words
@@ -137,6 +139,20 @@ def _options_table(parser: argparse.ArgumentParser) -> list[str]:
     return lines
 
 
+def _synopsis(parser: argparse.ArgumentParser, words: list[str], has_subcommands: bool) -> str:
+    """How the command is called: its words, ``[options]`` when it has any, its positionals, a subcommand."""
+    parts = list(words)
+    shown = [a for a in parser._actions if a.help != argparse.SUPPRESS]
+    if any(a.option_strings and not isinstance(a, argparse._HelpAction) for a in shown):
+        parts.append("[options]")
+    for a in shown:
+        if not a.option_strings and not isinstance(a, argparse._SubParsersAction):
+            parts.append(_metavar(a))
+    if has_subcommands:
+        parts.append("COMMAND ...")
+    return " ".join(parts)
+
+
 def _command_sections(
     parser: argparse.ArgumentParser, words: list[str], summary: str
 ) -> Iterator[tuple[list[str], list[str]]]:
@@ -147,6 +163,7 @@ def _command_sections(
     if text:
         lines += [_cell(text), ""]
     subs = _subcommands(parser)
+    lines += [_code(_synopsis(parser, words, bool(subs))), ""]
     if subs:
         lines += ["| command | what it does |", "|---|---|"]
         lines += [f"| [`{' '.join([*words, n])}`](#{slug(' '.join([*words, n]))}) | {_cell(h)} |" for n, h, _ in subs]

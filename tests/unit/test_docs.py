@@ -63,12 +63,15 @@ def test_the_cli_page_walks_every_subparser_whatever_its_depth() -> None:
     deep = sub.add_parser("two", help="the second").add_subparsers(dest="deep").add_parser("three", help="nested")
     grouped = deep.add_argument_group("tuning")
     grouped.add_argument("--rate", type=float, default=2.0, choices=[1.0, 2.0], help="one of %(choices)s")
+    deep.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD", help="what to run")
     page = cli_markdown(parser)
     headings = re.findall(r"^## `(.+)`$", page, re.M)
     assert headings == ["tool", "tool one", "tool two", "tool two three"]
     assert "| `--size SIZE` | `1GiB` | at most 1GiB \\| or less |" in page
     assert "| `path` |  | a file |" in page
     assert "*tuning*" in page and "one of 1.0, 2.0" in page
+    assert "| `CMD ...` |  | what to run |" in page
+    assert "`tool two three [options] CMD ...`" in page and "`tool [options] COMMAND ...`" in page
     assert "[`tool two three`](#tool-two-three)" in page
     assert broken_anchors_within(page) == []
 
