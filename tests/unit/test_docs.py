@@ -168,3 +168,10 @@ def test_troubleshooting_has_a_section_for_every_error_code() -> None:
     sections = set(re.findall(r"^#{2,4} `([a-z_]+)`", page.read_text(), re.M))
     assert set(errors.ERRORS_BY_CODE) - sections == set(), "explain these codes in docs/guide/troubleshooting.md"
     assert sections - set(errors.ERRORS_BY_CODE) == set(), "these sections name no error code"
+
+
+def test_the_readme_keeps_the_two_set_up_commands_that_ci_runs() -> None:
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)\n```", readme, re.S)
+    assert blocks[:2] == ["pip install . && timesliced demo", "pip install '.[test]' && python -m pytest"]
+    assert blocks[1] in (REPO / ".ci" / "run").read_text().splitlines()  # CI runs the README's test command verbatim
