@@ -8,12 +8,10 @@ when ``TIMESLICED_REQUIRE_KUBECTL=1`` (CI sets it), so that CI can never pass by
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import shutil
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,14 +21,11 @@ from typing import Any
 
 import pytest
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
-from timesliced.cli import build_parser, config_from_args
+from timesliced.cli import config_from_args
 from timesliced.cluster.discovery import peers_from_dns
 from timesliced.daemon.embedded import EmbeddedDaemon
+
+from ..helpers.serve_config import as_flags, load_toml, load_toml_text, serve_options, serve_parser, unknown_keys
 
 yaml = pytest.importorskip("yaml") if os.environ.get("TIMESLICED_REQUIRE_KUBECTL") != "1" else __import__("yaml")
 if os.environ.get("TIMESLICED_REQUIRE_KUBECTL") == "1":
@@ -109,39 +104,7 @@ def volume(spec: Obj, name: str) -> Obj:
 
 
 def shipped_config() -> Obj:
-    return tomllib.loads((KUBE / "base" / "timesliced.toml").read_text())
-
-
-def serve_parser() -> argparse.ArgumentParser:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    parser: argparse.ArgumentParser = sub.choices["serve"]
-    return parser
-
-
-def serve_options() -> dict[str, argparse.Action]:
-    """``timesliced serve``'s options by config key: the long option, dashes as underscores."""
-    return {
-        option[2:].replace("-", "_"): action
-        for action in serve_parser()._actions
-        for option in action.option_strings
-        if option.startswith("--") and option != "--help"
-    }
-
-
-def as_flags(config: Obj) -> list[str]:
-    """The config's keys as ``timesliced serve`` flags, for argparse to judge the values."""
-    options = serve_options()
-    argv: list[str] = []
-    for key, value in config.items():
-        flag = next(s for s in options[key].option_strings if s.startswith("--"))
-        if isinstance(value, bool):
-            assert isinstance(options[key], argparse._StoreTrueAction), f"{key} is not a switch"
-            argv += [flag] if value else []
-        elif isinstance(value, list):
-            argv += [flag, ",".join(str(v) for v in value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
+    return load_toml(KUBE / "base" / "timesliced.toml")
 
 
 # --- schemas ------------------------------------------------------------------------------
@@ -248,7 +211,7 @@ def test_the_daemons_run_on_gpu_nodes_only(rendered: dict[str, list[Obj]]) -> No
 
 def test_every_key_of_the_shipped_config_is_a_serve_option_whose_value_it_accepts() -> None:
     config = shipped_config()
-    unknown = sorted(set(config) - set(serve_options()))
+    unknown = unknown_keys(config)
     assert not unknown, f"timesliced.toml keys that are no `timesliced serve` option: {unknown}"
     args = serve_parser().parse_args(as_flags(config))
     assert args.state_dir == Path(config["state_dir"]) and args.backend == "offload"
@@ -267,7 +230,7 @@ def test_the_daemon_reads_the_config_the_config_map_mounts(rendered: dict[str, l
     mount = next(m for m in container(objects)["volumeMounts"] if m["mountPath"] == CONFIG_PATH)
     source = volume(pod_spec(objects), mount["name"])["configMap"]["name"]
     config_map = one(objects, "ConfigMap", source)
-    assert tomllib.loads(config_map["data"][mount["subPath"]]) == shipped_config()
+    assert load_toml_text(config_map["data"][mount["subPath"]]) == shipped_config()
 
 
 def test_the_token_secret_is_mounted_where_the_config_reads_it(rendered: dict[str, list[Obj]]) -> None:
