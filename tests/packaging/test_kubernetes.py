@@ -8,10 +8,12 @@ when ``TIMESLICED_REQUIRE_KUBECTL=1`` (CI sets it), so that CI can never pass by
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import shutil
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from timesliced.cli import config_from_args
+from timesliced.cli import build_parser, config_from_args
 from timesliced.cluster.discovery import peers_from_dns
 from timesliced.daemon.embedded import EmbeddedDaemon
 
@@ -398,3 +400,37 @@ def test_the_time_slicing_example_gives_each_gpu_a_replica_per_job(rendered: dic
     (term,) = sampler["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
     assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "trainer"
+
+
+def test_namespaces_whose_pods_mount_host_directories_are_admitted_at_the_privileged_level(
+    rendered: dict[str, list[Obj]],
+) -> None:
+    """Pod Security's baseline and restricted levels forbid hostPath volumes (and host PID, privileges)."""
+    checked = 0
+    for name, objects in rendered.items():
+        namespaces = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Namespace"}
+        for obj in objects:
+            spec = obj["spec"]["template"]["spec"] if obj["kind"] == "DaemonSet" else obj.get("spec", {})
+            if obj["kind"] in ("DaemonSet", "Pod") and any("hostPath" in v for v in spec.get("volumes", [])):
+                labels = namespaces[obj["metadata"]["namespace"]]["metadata"]["labels"]
+                assert labels["pod-security.kubernetes.io/enforce"] == "privileged", f"{name}: {obj['kind']}"
+                checked += 1
+    assert checked == len(OVERLAYS) + 2 * len(EXAMPLES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["packaging/kubernetes/base/timesliced.toml", "packaging/container/timesliced.toml"])
+def test_the_shipped_configs_pass_config_check(path: str) -> None:
+    """`timesliced config check` (the daemon's own reader) accepts the ConfigMap's and the image's file."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    if "config" not in sub.choices:
+        pytest.skip("this build has no `timesliced config check` yet")
+    done = subprocess.run(
+        [sys.executable, "-m", "timesliced", "config", "check", str(ROOT / path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
