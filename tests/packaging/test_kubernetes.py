@@ -105,6 +105,15 @@ def volume(spec: Obj, name: str) -> Obj:
     return next(v for v in spec["volumes"] if v["name"] == name)
 
 
+def run_flags(command: list[str]) -> dict[str, str]:
+    """The options of ``timesliced run OPTIONS -- CMD``; the command must follow them."""
+    assert command[:2] == ["timesliced", "run"] and "--" in command, command
+    flags = command[2 : command.index("--")]
+    assert len(flags) % 2 == 0 and all(f.startswith("--") for f in flags[0::2]), command
+    assert command[command.index("--") + 1 :], f"{command}: no command to run"
+    return dict(zip(flags[0::2], flags[1::2], strict=True))
+
+
 def shipped_config() -> Obj:
     return load_toml(KUBE / "base" / "timesliced.toml")
 
@@ -276,11 +285,10 @@ def test_the_socket_directory_is_the_host_path_the_jobs_pods_mount(rendered: dic
             job_mount = next(m for m in job["volumeMounts"] if m["mountPath"] == str(socket.parent))
             assert volume(pod["spec"], job_mount["name"])["hostPath"] == {"path": host_dir, "type": "Directory"}
             assert 10001 in pod["spec"]["securityContext"]["supplementalGroups"]
-            command = job["command"]
-            assert command[:2] == ["timesliced", "run"] and "--" in command
-            flags = command[2 : command.index("--")]
-            assert flags[0::2] == ["--job", "--group"], command
-            assert command[command.index("--") + 1] == "python"
+            flags = run_flags(job["command"])
+            assert flags["--job"] == pod["metadata"]["name"] and flags["--group"]
+            # The pod's device numbers are not the node's: the job names its GPUs by what it sees.
+            assert flags["--gpus"] == "visible"
 
 
 # --- probes and metrics on a real daemon --------------------------------------------------
@@ -383,7 +391,7 @@ def test_the_dra_example_shares_one_claim_between_the_jobs(rendered: dict[str, l
         assert named["resourceClaimName"] == claim["metadata"]["name"]
         assert pod["spec"]["containers"][0]["resources"]["claims"] == [{"name": named["name"]}]
         assert pod["metadata"]["namespace"] == claim["metadata"]["namespace"]
-    groups = {pod["spec"]["containers"][0]["command"][5] for pod in pods}
+    groups = {run_flags(pod["spec"]["containers"][0]["command"])["--group"] for pod in pods}
     assert len(groups) == 1, "jobs that share a GPU are in one group"
 
 
@@ -434,3 +442,15 @@ def test_the_shipped_configs_pass_config_check(path: str) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_job_pods_commands_are_what_timesliced_run_accepts(rendered: dict[str, list[Obj]]) -> None:
+    """The examples' `timesliced run` lines parse with the CLI's own parser, where the build has it."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    if "run" not in sub.choices:
+        pytest.skip("this build has no `timesliced run` yet")
+    for example in EXAMPLES:
+        for pod in (o for o in rendered[f"examples/{example}"] if o["kind"] == "Pod"):
+            command = pod["spec"]["containers"][0]["command"]
+            args = build_parser().parse_args(command[1:])
+            assert (args.job, args.group, args.gpus) == (pod["metadata"]["name"], "gpu", "visible")
