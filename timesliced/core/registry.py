@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import errors
+from ..util.parse import exact_size
 from .events import JobRegistered, SessionId
 from .ids import gpu_slot
 from .model import Group, Job
@@ -131,7 +132,8 @@ class Registry:
                 )
             if n < 0 or n > self.capacities[gpu]:
                 raise errors.BadRequest(
-                    f"job {name!r} declares {n} bytes on GPU {gpu}, which has {self.capacities[gpu]}; "
+                    f"job {name!r} declares {exact_size(n)} on GPU {gpu}, which has "
+                    f"{exact_size(self.capacities[gpu])}; "
                     "declare at most the GPU's memory"
                 )
         if job is None:
@@ -144,8 +146,8 @@ class Registry:
         clash = sorted(g for g, n in memory.items() if g in job.declared and job.declared[g] != n)
         if clash:
             raise errors.BadRequest(
-                f"job {name!r} already declared {job.declared[clash[0]]} bytes on GPU {clash[0]}, not "
-                f"{memory[clash[0]]}; register every connection of a job with the same memory"
+                f"job {name!r} already declared {exact_size(job.declared[clash[0]])} on GPU {clash[0]}, not "
+                f"{exact_size(memory[clash[0]])}; register every connection of a job with the same memory"
             )
 
     def add_group(self, name: str, gpus: tuple[int, ...], now: float) -> Group:
