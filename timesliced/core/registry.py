@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import errors
@@ -220,6 +220,26 @@ class Registry:
         if any(j.group == name for j in self.jobs.values()):
             raise ValueError(f"group {name!r} still has jobs")
         return self._journal.delete(self.groups, name)
+
+
+def declared_gpus(
+    declared: Mapping[str, tuple[int, ...]], group: str, asked: tuple[int, ...] | None
+) -> tuple[int, ...] | None:
+    """The GPUs a registration in ``group`` asks for on its node, once the node's declared groups are applied.
+
+    ``declared``: group -> its GPUs on this node (the daemon's config file). A declared group gives its
+    GPUs to a registration that names none; one that names others is refused with ``GroupMismatch``. A
+    group that is not declared keeps what was asked (its first registration fixes its GPUs).
+    """
+    gpus = declared.get(group)
+    if gpus is None:
+        return asked
+    if asked is not None and tuple(sorted(set(asked))) != tuple(sorted(gpus)):
+        raise errors.GroupMismatch(
+            f"group {group!r} is declared on GPUs {sorted(gpus)} by the daemon's config file, not "
+            f"{sorted(set(asked))}; ask for those GPUs, or for none (a client that names none gets the group's)"
+        )
+    return tuple(sorted(gpus))
 
 
 def declared_memory(ev: JobRegistered, gpus: tuple[int, ...]) -> dict[int, int] | None:
