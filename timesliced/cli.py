@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the node daemon")
     add_daemon_options(serve)
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    levels = ["DEBUG", "INFO", "WARNING", "ERROR"]
+    serve.add_argument("--log-level", default="INFO", choices=levels, help="the least severe log lines shown")
     serve.set_defaults(run=cmd_serve)
     add_config_commands(sub, serve)  # serve --config FILE, and timesliced config check|show|keys
 

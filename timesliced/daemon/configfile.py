@@ -31,6 +31,7 @@ from .. import errors
 from ..config import DaemonConfig, parse_queue_policy, parse_slice_policy
 from ..core.policy import POLICY_NAMES, QueuePolicy
 from ..core.slices import SlicePolicy
+from ..env import STATE_DIR_ENV, default_state_dir
 from ..util.parse import SIZE_FORMS, parse_host_port, parse_size, size_value
 
 # The options of ``serve`` that are not config keys: the file itself.
@@ -683,4 +684,10 @@ def reference_markdown(known: Mapping[str, Key]) -> str:
 
 
 def _md(text: str) -> str:
-    return text.replace("|", "\\|")
+    return _portable(text).replace("|", "\\|")
+
+
+def _portable(text: str) -> str:
+    """``text`` without what is this machine's own: the default state directory, which a help text names."""
+    here = str(default_state_dir())
+    return text.replace(here, f"${STATE_DIR_ENV}, else $XDG_RUNTIME_DIR/timesliced, else /tmp/timesliced-UID")
