@@ -424,6 +424,8 @@ def test_restart_adopts_state_and_refuses_other_settings(sims: Sims) -> None:
     for bad in ({"capacity": 64 * PAGE}, {"page_size": 2 * PAGE}, {"gpus": 3}):
         with pytest.raises(ValueError, match="same settings"):
             sims.backend(**bad)
+    with pytest.raises(ValueError, match=r"capacity=4\.0 MiB \(4194304 bytes\), page_size=64\.0 KiB \(65536 bytes\)"):
+        sims.backend(capacity=64 * PAGE)  # the sizes it was made with and those asked for, in human units
     b = sims.backend()
     assert b.recovered_jobs() == {"a": ("resident", {1: 3 * PAGE})}
     assert r.read(8) == b"survivor"  # clients keep their mappings across a daemon restart

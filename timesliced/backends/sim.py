@@ -828,8 +828,9 @@ class SimBackend:
             if (header.gpus, header.capacity, header.page_size) != (self.gpus, self.capacity, self.page_size):
                 raise ValueError(
                     f"sim root {self.root} holds job state made with gpus={header.gpus}, "
-                    f"capacity={header.capacity}, page_size={header.page_size} ({path.name}); this backend "
-                    f"has gpus={self.gpus}, capacity={self.capacity}, page_size={self.page_size}. "
+                    f"capacity={exact_size(header.capacity)}, page_size={exact_size(header.page_size)} "
+                    f"({path.name}); this backend has gpus={self.gpus}, capacity={exact_size(self.capacity)}, "
+                    f"page_size={exact_size(self.page_size)}. "
                     "Start it with the same settings, or on a fresh root."
                 )
         fresh = [self._open_arena(gpu, keep=bool(found)) for gpu in range(self.gpus)]
@@ -859,8 +860,9 @@ class SimBackend:
             if size != self.capacity:
                 if size and keep:
                     raise ValueError(
-                        f"{path} is {size} bytes but this backend has capacity={self.capacity}; the sim root "
-                        "was made with other settings. Start it with the same settings, or on a fresh root."
+                        f"{path} is {exact_size(size)} but this backend has capacity={exact_size(self.capacity)}; "
+                        "the sim root was made with other settings. Start it with the same settings, or on a fresh "
+                        "root."
                     )
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, self.capacity)

@@ -189,7 +189,9 @@ class HostDeviceMemory:
 
     def _queue_copy(self, copy: _Copy) -> None:
         if copy.nbytes < 0 or copy.nbytes > copy.host.nbytes:
-            raise BackendError(f"a copy of {copy.nbytes} bytes does not fit a host buffer of {copy.host.nbytes}")
+            raise BackendError(
+                f"a copy of {exact_size(copy.nbytes)} does not fit a host buffer of {exact_size(copy.host.nbytes)}"
+            )
         with self._lock:
             self._space.resolve(copy.va, copy.nbytes)  # like the driver, reject a bad address when queued
             self._queue.append(copy)
