@@ -268,6 +268,24 @@ def test_a_file_s_groups_reach_the_daemon_config_under_the_flags(tmp_path: Path)
     assert config_from_args(parsed(["serve", "--web", "off"])).groups == {}
 
 
+def test_the_daemon_s_limits_are_options_and_keys(tmp_path: Path) -> None:
+    path = tmp_path / "ts.toml"
+    path.write_text('max_waiters = 8\nmax_write_buffer = "1MiB"\nstall_timeout = 2\n', encoding="utf-8")
+    config = config_from_args(parsed(["serve", "--config", str(path), "--max-connections", "64", "--web", "off"]))
+    assert (config.max_waiters, config.max_write_buffer, config.stall_timeout) == (8, 1 << 20, 2.0)
+    assert config.max_connections == 64 and config.max_connections_per_client == 256  # the flag; the default
+    assert config_from_args(parsed(["serve", "--web", "off"])).max_waiters == 1024
+    with pytest.raises(SystemExit, match="--max-waiters must be >= 1, not 0"):
+        config_from_args(parsed(["serve", "--max-waiters", "0"]))
+    with pytest.raises(SystemExit, match="--telemetry-interval must be > 0, not 0"):
+        config_from_args(parsed(["serve", "--telemetry-interval", "0"]))
+    assert problems_of("max_write_buffer = 0\nhandshake_timeout = 0", tmp_path) == [
+        "max_write_buffer: expected a number of bytes or a size like 16GiB, 512MiB or 1.5GB; K, M, G and T are "
+        "powers of 1024 (at least 1 byte), not 0",
+        "handshake_timeout: expected a number > 0, not 0",
+    ]
+
+
 # --- declared groups -------------------------------------------------------------------
 
 DECLARED = {"rl": (1, 2)}

@@ -14,6 +14,7 @@ name, so ``timesliced config show`` can print the whole effective config without
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import math
 import sys
@@ -255,9 +256,12 @@ def _convert(key: Key, value: Any, base: Path) -> Any:
         return int(number) if kind == "int" else number
     if kind == "size":
         try:
-            return size_value(value)
+            n = size_value(value)
         except ValueError:
             raise _Invalid from None
+        if key.name in RANGES and n < RANGES[key.name][0]:
+            raise _Invalid
+        return n
     if kind == "path":
         path = Path(_string(value)).expanduser()
         return path if path.is_absolute() else base / path
@@ -304,7 +308,7 @@ LIST_CHECKS: dict[str, Callable[[str], object]] = {
 def _expects(key: Key) -> str:
     lowest = RANGES.get(key.name)
     if lowest is None or key.kind not in ("int", "float"):
-        return key.expects
+        return key.expects if lowest is None else f"{key.expects} (at least {lowest[0]:g} byte)"
     bound = RANGE_TEXT[lowest] + (" and <= 65535" if key.name == "peer_port" else "")
     return f"{key.expects} {bound}"
 
@@ -437,11 +441,58 @@ def _problems_text(path: Path, problems: Sequence[Problem]) -> str:
     return "\n".join(lines)
 
 
+# --- limits ---------------------------------------------------------------------------
+
+# The daemon's limits, as options of ``serve`` (and so keys of the file): (flag, type, metavar, help, lowest,
+# above it). The defaults are ``DaemonConfig``'s, so the two cannot differ.
+LIMITS: tuple[tuple[str, Callable[[str], Any], str, str, float, bool], ...] = (
+    ("--max-connections", int, "N", "client connections served at once; a new one past this is refused", 1, False),
+    (
+        "--max-connections-per-client",
+        int,
+        "N",
+        "connections from one process (Unix socket) or one host (TCP) at once",
+        1,
+        False,
+    ),
+    ("--max-waiters", int, "N", "jobs waiting in one group's queue; an acquire past this is refused", 1, False),
+    ("--handshake-timeout", float, "S", "a new connection must say hello within this", 0, True),
+    ("--stall-timeout", float, "S", "a frame begun must arrive whole within this", 0, True),
+    ("--max-write-buffer", size_arg, "SIZE", "a client that stops reading is disconnected past this", 1, False),
+    ("--telemetry-interval", float, "S", "time between GPU samples", 0, True),
+    ("--host-memory-interval", float, "S", "time between readings of host memory (also after every move)", 0, True),
+)
+RANGES.update({flag[2:].replace("-", "_"): (lowest, above) for flag, _, _, _, lowest, above in LIMITS})
+
+
+def add_limit_options(p: argparse.ArgumentParser) -> None:
+    """The daemon's limits as ``serve`` options (``--max-connections``, ...)."""
+    defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(DaemonConfig)}
+    group = p.add_argument_group("limits")
+    for flag, kind, metavar, text, *_ in LIMITS:
+        name = flag[2:].replace("-", "_")
+        default = defaults[name]
+        shown = _size_text(default) if kind is size_arg else f"{default:g}"
+        group.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default {shown})")
+
+
+def apply_limits(config: DaemonConfig, args: argparse.Namespace) -> None:
+    """Put the limit options of ``args`` into ``config``; exits (as for a bad flag) for one out of range."""
+    for flag, _, _, _, lowest, above in LIMITS:
+        name = flag[2:].replace("-", "_")
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if value <= lowest if above else value < lowest:
+            raise SystemExit(f"timesliced: {flag} must be {RANGE_TEXT[(lowest, above)]}, not {value:g}")
+        setattr(config, name, value)
+
+
 # --- the daemon's side ----------------------------------------------------------------
 
 
 def apply_groups(config: DaemonConfig, args: argparse.Namespace) -> None:
-    """Put the declared groups of ``args`` (from the file) into ``config``.
+    """Put the declared groups of ``args`` (from the file) into ``config``, and its limits (``apply_limits``).
 
     The groups' policies go under those of ``--policy`` and ``--max-slice`` (flags, or the file's
     top-level lists), which name groups too and win. Raises ``ValueError`` for a policy the core refuses.
@@ -464,6 +515,7 @@ def apply_groups(config: DaemonConfig, args: argparse.Namespace) -> None:
     }
     config.queue_policies = {**queue, **config.queue_policies}
     config.slice_policies = {**slices, **config.slice_policies}
+    apply_limits(config, args)
 
 
 def check_declared_gpus(groups: Mapping[str, tuple[int, ...]], gpus: Sequence[int]) -> None:
@@ -571,7 +623,9 @@ DAEMON_PARSER = "_daemon_parser"  # the namespace's link to the parser whose def
 
 
 def add_config_commands(sub: Any, serve: argparse.ArgumentParser) -> None:
-    """``serve --config FILE`` and ``timesliced config check|show|keys`` (``sub``: the subcommands)."""
+    """``serve --config FILE``, the daemon's limits, and ``timesliced config check|show|keys`` (``sub``: the
+    subcommands)."""
+    add_limit_options(serve)
     serve.add_argument(
         "--config",
         type=Path,
@@ -661,6 +715,8 @@ def _shown_default(key: Key) -> str:
         return "[]"
     if key.kind == "address":
         return _value(_file_value(key, value))
+    if key.kind == "size" and isinstance(value, int):
+        return _value(_size_text(value))
     return _value(value if not isinstance(value, Path) else str(value))
 
 
