@@ -19,7 +19,8 @@ from typing import Any
 from . import errors
 from .cluster.discovery import DEFAULT_PEER_PORT, local_addresses, resolve_cluster
 from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_queue_policy, parse_slice_policy
-from .daemon.configfile import add_config_commands, apply_groups, size_arg, with_config_file
+from .daemon.config_commands import add_config_commands, with_config_file
+from .daemon.configfile import apply_groups, size_arg
 from .daemon.parking import CHOICES
 from .env import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV, TOKEN_ENV, default_state_dir, read_admin_token, read_token
 from .sim import DEFAULT_BANDWIDTH

@@ -1,11 +1,11 @@
-"""The daemon's config file (``timesliced serve --config FILE``) and the ``timesliced config`` commands.
+"""The daemon's config file (``timesliced serve --config FILE``): its keys, reading and checking it, writing
+the effective config back, and what it adds to ``DaemonConfig`` (declared groups, limits).
 
 A TOML file whose top-level keys are the long options of ``timesliced serve`` with dashes as
 underscores (``state_dir``, ``gpu_memory``, ``token_file``, ...), and one ``[groups.NAME]`` table per
 declared group. The keys, their types, defaults and help are read from the ``serve`` parser itself
 (``keys``), so the file, the flags and the reference (``timesliced config keys``, the guide's table)
-cannot drift apart. Flags override the file: its values become the parser's defaults, then the
-command line is parsed again.
+cannot drift apart. ``config_commands`` wires it to the command line, where flags override the file.
 
 Secrets are never in the file: tokens are read from the files ``token_file`` and ``admin_token_file``
 name, so ``timesliced config show`` can print the whole effective config without leaking one.
@@ -32,7 +32,7 @@ from .. import errors
 from ..config import DaemonConfig, parse_queue_policy, parse_slice_policy
 from ..core.policy import POLICY_NAMES, QueuePolicy
 from ..core.slices import SlicePolicy
-from ..env import STATE_DIR_ENV, default_state_dir
+from ..util import toml_write
 from ..util.parse import SIZE_FORMS, parse_host_port, parse_size, size_value
 
 # The options of ``serve`` that are not config keys: the file itself.
@@ -305,7 +305,7 @@ LIST_CHECKS: dict[str, Callable[[str], object]] = {
 }
 
 
-def _expects(key: Key) -> str:
+def expects_text(key: Key) -> str:
     lowest = RANGES.get(key.name)
     if lowest is None or key.kind not in ("int", "float"):
         return key.expects if lowest is None else f"{key.expects} (at least {lowest[0]:g} byte)"
@@ -319,7 +319,7 @@ def _unknown(name: str, known: Sequence[str]) -> str:
 
 
 def _group(name: str, table: Any, problems: list[Problem]) -> GroupDecl | None:
-    where = f"groups.{_key(name)}"
+    where = f"groups.{toml_write.key(name)}"
     if not isinstance(table, dict):
         problems.append(Problem(where, f"expected a table of the group's settings, not {_shown(table)}"))
         return None
@@ -328,7 +328,7 @@ def _group(name: str, table: Any, problems: list[Problem]) -> GroupDecl | None:
         problems.append(Problem(where, "a group's name is at most 256 characters"))
     values: dict[str, Any] = {}
     for k, value in table.items():
-        path = f"{where}.{_key(k)}"
+        path = f"{where}.{toml_write.key(k)}"
         if k not in GROUP_KEYS:
             problems.append(Problem(path, _unknown(k, list(GROUP_KEYS))))
             continue
@@ -393,7 +393,7 @@ def parse(doc: Mapping[str, Any], known: Mapping[str, Key], base: Path) -> tuple
         if name in SECRETS:
             problems.append(
                 Problem(
-                    _key(name),
+                    toml_write.key(name),
                     "secrets are not read from the config file, so that it can be shown and shared: put the "
                     f"token in a file only the daemon's user can read, and give {SECRETS[name]} = PATH",
                 )
@@ -401,15 +401,15 @@ def parse(doc: Mapping[str, Any], known: Mapping[str, Key], base: Path) -> tuple
             continue
         key = known.get(name)
         if key is None:
-            problems.append(Problem(_key(name), _unknown(name, names)))
+            problems.append(Problem(toml_write.key(name), _unknown(name, names)))
             continue
         try:
             values[name] = _convert(key, value, base)
         except _Invalid as exc:
             if exc.index is None:
-                problems.append(Problem(_key(name), f"expected {_expects(key)}, not {_shown(value)}"))
+                problems.append(Problem(toml_write.key(name), f"expected {expects_text(key)}, not {_shown(value)}"))
             else:
-                problems.append(Problem(f"{_key(name)}[{exc.index}]", exc.message))
+                problems.append(Problem(f"{toml_write.key(name)}[{exc.index}]", exc.message))
     return Loaded(values, groups), problems
 
 
@@ -431,11 +431,11 @@ def load(path: Path, known: Mapping[str, Key]) -> Loaded:
     """``read`` that raises ``ValueError`` listing every problem, each with its key path."""
     loaded, problems = read(path, known)
     if problems:
-        raise ValueError(_problems_text(path, problems))
+        raise ValueError(problems_text(path, problems))
     return loaded
 
 
-def _problems_text(path: Path, problems: Sequence[Problem]) -> str:
+def problems_text(path: Path, problems: Sequence[Problem]) -> str:
     lines = [f"{path}: {p}" for p in problems]
     lines.append(f"fix the config file ({len(problems)} error{'s' if len(problems) != 1 else ''}), then try again")
     return "\n".join(lines)
@@ -472,7 +472,7 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     for flag, kind, metavar, text, *_ in LIMITS:
         name = flag[2:].replace("-", "_")
         default = defaults[name]
-        shown = _size_text(default) if kind is size_arg else f"{default:g}"
+        shown = size_text(default) if kind is size_arg else f"{default:g}"
         group.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default {shown})")
 
 
@@ -524,56 +524,13 @@ def check_declared_gpus(groups: Mapping[str, tuple[int, ...]], gpus: Sequence[in
         missing = sorted(set(declared) - set(gpus))
         if missing:
             raise errors.UnknownDevice(
-                f"the config file's groups.{_key(name)}.gpus: this node has no GPU {missing} (it has {sorted(gpus)}); "
+                f"the config file's groups.{toml_write.key(name)}.gpus: this node has no GPU {missing} (it has "
+                f"{sorted(gpus)}); "
                 "declare the group on GPUs this node has"
             )
 
 
-# --- writing TOML ---------------------------------------------------------------------
-
-_BARE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
-
-
-def _key(name: str) -> str:
-    """A TOML key: bare where it may be, else a quoted string."""
-    return name if name and set(name) <= _BARE else _string_literal(name)
-
-
-def _string_literal(text: str) -> str:
-    """A TOML basic string. Escaped: the quote, the backslash, and every control character but none else."""
-    out = ['"']
-    for ch in text:
-        if ch == '"':
-            out.append('\\"')
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ch in "\b\t\n\f\r":
-            out.append({"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04X}")
-        else:
-            out.append(ch)
-    out.append('"')
-    return "".join(out)
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"not a TOML value here: {value!r}")
-        return repr(value)
-    if isinstance(value, str):
-        return _string_literal(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")
-
-
-def _size_text(n: int) -> str:
+def size_text(n: int) -> str:
     """A size as the file would say it: ``16GiB`` where it is a whole number of a unit, else bytes."""
     for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n and n % (1 << shift) == 0:
@@ -581,10 +538,10 @@ def _size_text(n: int) -> str:
     return str(n)
 
 
-def _file_value(key: Key, value: Any) -> Any:
+def file_value(key: Key, value: Any) -> Any:
     """A value as the parser holds it -> what the file says (the inverse of ``_convert``)."""
     if key.kind == "size":
-        return _size_text(value)
+        return size_text(value)
     if key.kind == "path":
         return str(Path(value).absolute())
     if key.kind == "address":
@@ -606,144 +563,12 @@ def dump(args: argparse.Namespace, known: Mapping[str, Key]) -> str:
         if value is None:
             lines.append(f"# {key.name}: not set; {key.help}")
             continue
-        lines.append(f"{key.name} = {_value(_file_value(key, value))}")
+        lines.append(f"{key.name} = {toml_write.value(file_value(key, value))}")
     groups: dict[str, GroupDecl] = getattr(args, "groups", None) or {}
     for name, g in groups.items():
-        lines += ["", f"[groups.{_key(name)}]"]
+        lines += ["", f"[groups.{toml_write.key(name)}]"]
         for k in GROUP_KEYS:
             v = getattr(g, k)
             if v is not None:
-                lines.append(f"{k} = {_value(list(v) if k == 'gpus' else v)}")
+                lines.append(f"{k} = {toml_write.value(list(v) if k == 'gpus' else v)}")
     return "\n".join(lines) + "\n"
-
-
-# --- the command line -----------------------------------------------------------------
-
-DAEMON_PARSER = "_daemon_parser"  # the namespace's link to the parser whose defaults a file replaces
-
-
-def add_config_commands(sub: Any, serve: argparse.ArgumentParser) -> None:
-    """``serve --config FILE``, the daemon's limits, and ``timesliced config check|show|keys`` (``sub``: the
-    subcommands)."""
-    add_limit_options(serve)
-    serve.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="a TOML file of these options (keys: the long option names with underscores) and [groups.NAME] "
-        "tables; flags override it (timesliced config keys lists them)",
-    )
-    serve.set_defaults(**{DAEMON_PARSER: serve})
-    config = sub.add_parser("config", help="check, show and list the daemon's config file")
-    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    check = config_sub.add_parser(
-        "check", help="validate a config file: each error with its key path and what is expected (exit 1)"
-    )
-    check.add_argument("file", type=Path, metavar="FILE")
-    check.set_defaults(run=cmd_config_check, **{DAEMON_PARSER: serve})
-    show = config_sub.add_parser(
-        "show",
-        parents=[serve],
-        add_help=False,
-        help="print the effective config (the file, then the flags) as TOML; never a token",
-        description="Takes every option of timesliced serve. Prints the config it would run with.",
-    )
-    show.set_defaults(run=cmd_config_show, **{DAEMON_PARSER: show})
-    listing = config_sub.add_parser("keys", help="list every config key: type, default and what it does")
-    listing.add_argument("--markdown", action="store_true", help="as the Markdown table of the user guide")
-    listing.set_defaults(run=cmd_config_keys, **{DAEMON_PARSER: serve})
-
-
-def with_config_file(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None
-) -> argparse.Namespace:
-    """``args`` again with the config file's values under the flags (none given: ``args`` itself).
-
-    Exits (``SystemExit``, as for a bad flag) listing every problem of the file.
-    """
-    path = getattr(args, "config", None)
-    daemon: argparse.ArgumentParser | None = getattr(args, DAEMON_PARSER, None)
-    if path is None or daemon is None:
-        return args
-    try:
-        loaded = load(path, keys(daemon))
-    except ValueError as exc:
-        raise SystemExit(f"timesliced: {exc}") from None
-    daemon.set_defaults(**loaded.values, groups=loaded.groups)
-    return parser.parse_args(argv)
-
-
-def cmd_config_check(args: argparse.Namespace) -> int:
-    known = keys(getattr(args, DAEMON_PARSER))
-    try:
-        loaded, problems = read(args.file, known)
-    except ValueError as exc:
-        raise SystemExit(f"timesliced: {exc}") from None
-    if problems:
-        print(_problems_text(args.file, problems), file=sys.stderr)
-        return 1
-    n, g = len(loaded.values), len(loaded.groups)
-    print(f"{args.file}: valid ({n} key{'s' if n != 1 else ''}, {g} group{'s' if g != 1 else ''})")
-    return 0
-
-
-def cmd_config_show(args: argparse.Namespace) -> int:
-    sys.stdout.write(dump(args, keys(getattr(args, DAEMON_PARSER))))
-    return 0
-
-
-def cmd_config_keys(args: argparse.Namespace) -> int:
-    known = keys(getattr(args, DAEMON_PARSER))
-    if args.markdown:
-        sys.stdout.write(reference_markdown(known))
-        return 0
-    for key in known.values():
-        default = "" if key.default is None else f" (default {_shown_default(key)})"
-        print(f"{key.name}: {_expects(key)}{default}\n    {key.help}")
-    print("[groups.NAME]:")
-    for k, (expects, does) in GROUP_KEYS.items():
-        print(f"  {k}: {expects}\n      {does}")
-    return 0
-
-
-def _shown_default(key: Key) -> str:
-    if key.kind == "bool":
-        return "false"
-    value = key.default
-    if key.kind in ("list",) and value == []:
-        return "[]"
-    if key.kind == "address":
-        return _value(_file_value(key, value))
-    if key.kind == "size" and isinstance(value, int):
-        return _value(_size_text(value))
-    return _value(value if not isinstance(value, Path) else str(value))
-
-
-def reference_markdown(known: Mapping[str, Key]) -> str:
-    """The guide's table of every key (``docs/guide/configuration.md``; a test keeps it current)."""
-    rows = [
-        "| key | flag | value | default | what it does |",
-        "|---|---|---|---|---|",
-    ]
-    for key in known.values():
-        default = "-" if key.default is None else f"`{_shown_default(key)}`"
-        rows.append(f"| `{key.name}` | `{key.flag}` | {_md(_expects(key))} | {default} | {_md(key.help)} |")
-    rows += [
-        "",
-        "| `[groups.NAME]` key | value | what it does |",
-        "|---|---|---|",
-    ]
-    for k, (expects, does) in GROUP_KEYS.items():
-        rows.append(f"| `{k}` | {_md(expects)} | {_md(does)} |")
-    return "\n".join(rows) + "\n"
-
-
-def _md(text: str) -> str:
-    return _portable(text).replace("|", "\\|")
-
-
-def _portable(text: str) -> str:
-    """``text`` without what is this machine's own: the default state directory, which a help text names."""
-    here = str(default_state_dir())
-    return text.replace(here, f"${STATE_DIR_ENV}, else $XDG_RUNTIME_DIR/timesliced, else /tmp/timesliced-UID")
