@@ -88,7 +88,7 @@ def test_empty_feed() -> None:
 def test_encode_refuses_oversized_frames() -> None:
     body_len = len(msgpack.packb({"x": "a" * 100}))
     assert len(encode({"x": "a" * 100}, max_frame=body_len)) == body_len + HEADER.size
-    with pytest.raises(errors.FrameTooLarge, match=f"frame of {body_len} bytes exceeds the limit of {body_len - 1}"):
+    with pytest.raises(errors.FrameTooLarge, match=f"frame of {body_len} B exceeds the limit of {body_len - 1} B"):
         encode({"x": "a" * 100}, max_frame=body_len - 1)
 
 
@@ -103,7 +103,7 @@ def test_frame_of_exactly_the_limit_is_accepted() -> None:
 def test_oversized_header_is_rejected_before_the_body_arrives() -> None:
     decoder = FrameDecoder(max_frame=1000)
     assert decoder.feed(encode({"ok": 1})) == [{"ok": 1}]
-    with pytest.raises(errors.FrameTooLarge, match="frame of 1001 bytes exceeds the limit of 1000 bytes"):
+    with pytest.raises(errors.FrameTooLarge, match="frame of 1001 B exceeds the limit of 1000 B"):
         decoder.feed(struct.pack(">I", 1001))  # the header alone
     with pytest.raises(errors.FrameTooLarge):
         FrameDecoder().feed(b"\xff\xff\xff\xff")
