@@ -188,7 +188,7 @@ def cli_markdown(parser: argparse.ArgumentParser | None = None) -> str:
         "depend on the machine are shown by the variable they come from. The guide explains when to use",
         "them: [running the daemon](../guide/install.md), [tuning](../guide/tuning.md),",
         "[cluster mode](../guide/cluster.md). A `SIZE` is a number of bytes or a number with a unit",
-        "(`16GiB`, `512MiB`).",
+        "(`16GiB`, `512MiB`, `1.5GB`; K, M, G and T are powers of 1024).",
         "",
     ]
     for _, lines in _command_sections(parser, [parser.prog], parser.description or ""):
