@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import errors
+from .client import launch
 from .cluster.discovery import DEFAULT_PEER_PORT, local_addresses, resolve_cluster
 from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_queue_policy, parse_slice_policy
 from .daemon.parking import CHOICES
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--work-s", type=float, default=3600.0, metavar="S", help="each job's run time left, alone (makespan unit)"
     )
     advise.set_defaults(run=cmd_advise)
+
+    launch.add_command(sub)  # timesliced run
 
     demo = sub.add_parser("demo", help="run a mixed RL/SFT workload on simulated GPUs and print its figures")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
