@@ -23,6 +23,7 @@ from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_queue_policy
 from .daemon.parking import CHOICES
 from .env import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV, TOKEN_ENV, default_state_dir, read_admin_token, read_token
 from .sim import DEFAULT_BANDWIDTH
+from .sim import clean as sim_clean
 from .util.parse import parse_host_port, parse_size
 from .version import __version__
 
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     advise.set_defaults(run=cmd_advise)
 
     launch.add_command(sub)  # timesliced run
+    sim_clean.add_command(sub)  # timesliced sim clean
 
     demo = sub.add_parser("demo", help="run a mixed RL/SFT workload on simulated GPUs and print its figures")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
