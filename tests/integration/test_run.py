@@ -260,3 +260,53 @@ def test_a_registration_the_daemon_refuses_is_one_line_and_the_command_never_run
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "the daemon refused job 'a'" in result.stderr
     assert not marker.exists()
+
+
+def test_at_a_terminal_the_command_keeps_the_terminal_and_ctrl_c_reaches_it_once(daemon: EmbeddedDaemon) -> None:
+    """In a terminal's foreground the command stays in the launcher's process group (job control, a
+    debugger's prompt); the terminal's Ctrl-C reaches it from the kernel and is not forwarded again."""
+    import re
+    import select
+
+    # The launcher in a session of its own whose controlling terminal is a pty, as a terminal starts
+    # a shell's job (a wrapper takes the terminal, then becomes the launcher: no fork in this process).
+    master, slave = os.openpty()
+    take_terminal = (
+        "import os, sys; os.setsid(); fd = os.open(sys.argv[1], os.O_RDWR); "
+        "[os.dup2(fd, n) for n in (0, 1, 2)]; os.execv(sys.argv[2], sys.argv[2:])"
+    )
+    argv = launcher(daemon.socket, sys.executable, "-c", CATCHER)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", take_terminal, os.ttyname(slave), *argv],
+        env=env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    pid = proc.pid  # the slave stays open here too: a pty whose every slave is closed reads EIO
+    said = ""
+
+    def wait_for_text(pattern: str) -> re.Match[str]:
+        nonlocal said
+        while not (found := re.search(pattern, said)):
+            ready, _, _ = select.select([master], [], [], 30)
+            assert ready, f"the terminal showed no {pattern!r}; it showed {said!r}"
+            said += os.read(master, 4096).decode(errors="replace")
+        return found
+
+    try:
+        command = int(wait_for_text(r"ready (\d+)").group(1))
+        assert os.getpgid(command) == pid  # the launcher's group: the terminal's foreground
+        os.write(master, b"\x03")  # Ctrl-C: the kernel signals the whole foreground group
+        wait_for_text(r"got 2")
+        os.kill(pid, signal.SIGUSR1)  # a signal to the launcher alone is forwarded
+        wait_for_text(r"got 10")
+        assert re.findall(r"got \d+", said) == ["got 2", "got 10"]
+        os.kill(pid, signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(master)
+        os.close(slave)
