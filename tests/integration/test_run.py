@@ -237,6 +237,21 @@ def test_bad_use_is_one_line_and_a_shell_like_status(tmp_path: Path, args: list[
     assert says in result.stderr
 
 
+def test_a_malformed_variable_the_command_would_inherit_is_one_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        launcher(str(tmp_path / "none.sock"), "true"),
+        capture_output=True,
+        text=True,
+        env={**env(), "TIMESLICED_MEMORY": "banana"},
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr
+        == "timesliced run: $TIMESLICED_MEMORY='banana' is not a size; give one like 16GiB, 512MiB or 1.5GB\n"
+    )
+
+
 def test_no_daemon_is_one_line_that_says_what_to_do(tmp_path: Path) -> None:
     result = subprocess.run(
         [*launcher(str(tmp_path / "none.sock"), "true")], capture_output=True, text=True, env=env(), timeout=60

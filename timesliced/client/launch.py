@@ -201,16 +201,23 @@ def run(launch: Launch, *, stderr: TextIO = sys.stderr) -> int:
 
 
 def _member(launch: Launch, prepared: Prepared, mask: Iterable[int], stderr: TextIO) -> int:
-    client = Client(
-        launch.job,
-        launch.group,
-        address=prepared.env[ADDRESS_ENV],  # what the command's own client reaches, to the letter
-        park=launch.park,
-        memory=prepared.memory,
-        gpus=prepared.gpus,
-        priority=launch.priority,
-        weight=launch.weight,
-    )
+    try:
+        client = Client(
+            launch.job,
+            launch.group,
+            address=prepared.env[ADDRESS_ENV],  # what the command's own client reaches, to the letter
+            park=launch.park,
+            memory=prepared.memory,
+            gpus=prepared.gpus,
+            priority=launch.priority,
+            weight=launch.weight,
+        )
+    except ValueError as exc:  # a malformed $TIMESLICED_* variable that the command would inherit
+        print(f"timesliced run: {exc}", file=stderr)
+        return USAGE
+    except errors.TimeslicedError as exc:  # --gpus visible where CUDA or NVML cannot be asked
+        print(f"timesliced run: {exc.message}", file=stderr)
+        return USAGE
     try:
         try:
             client.connect()
