@@ -67,12 +67,17 @@ SI_KERNEL = 0x80
 PR_SET_PDEATHSIG = 1
 POLL_S = 1.0  # sigtimedwait's bound: the child is also polled, whatever became of a SIGCHLD
 
-# The guard: a line means the command exited and the launcher is fine; end-of-file, that the launcher died.
+# The guard reads its pipe to the end: the command's process group (written by the command itself, before
+# it execs), then "done" once the command has exited. An end without "done" means the launcher died.
 GUARD = """
 import os, sys
-if not os.read(int(sys.argv[1]), 1):
+said = b""
+while chunk := os.read(int(sys.argv[1]), 64):
+    said += chunk
+words = said.split()
+if words and words[-1] != b"done":
     try:
-        os.killpg(int(sys.argv[2]), 9)
+        os.killpg(int(words[0]), 9)
     except OSError:
         pass
 """
@@ -233,17 +238,17 @@ def _member(launch: Launch, prepared: Prepared, mask: Iterable[int], stderr: Tex
         # reading the terminal (a debugger's prompt) work as without the launcher. Anywhere else it gets
         # a process group of its own, which a guard kills if the launcher dies without a word.
         alone = not _in_foreground()
-        try:
-            child = subprocess.Popen(
-                prepared.argv, env=prepared.env, preexec_fn=_child_setup(os.getpid(), mask, new_group=alone)
-            )
-        except FileNotFoundError:
-            print(f"timesliced run: {launch.command[0]}: command not found", file=stderr)
-            return NOT_FOUND
-        except PermissionError:
-            print(f"timesliced run: {launch.command[0]}: permission denied", file=stderr)
-            return NOT_EXECUTABLE
-        with _guard(child.pid) if alone else contextlib.nullcontext():
+        with _guard() if alone else contextlib.nullcontext(None) as report:
+            try:
+                child = subprocess.Popen(
+                    prepared.argv, env=prepared.env, preexec_fn=_child_setup(os.getpid(), mask, report=report)
+                )
+            except FileNotFoundError:
+                print(f"timesliced run: {launch.command[0]}: command not found", file=stderr)
+                return NOT_FOUND
+            except PermissionError:
+                print(f"timesliced run: {launch.command[0]}: permission denied", file=stderr)
+                return NOT_EXECUTABLE
             return _supervise(child)
     finally:
         client.close()
@@ -258,42 +263,48 @@ def _in_foreground() -> bool:
 
 
 @contextlib.contextmanager
-def _guard(group: int) -> Iterator[None]:
-    """While the block runs, a guard process waits on a pipe; should the launcher die (SIGKILL, the
-    OOM killer), the pipe reads end-of-file and the guard kills process group ``group``: the command
-    and everything it forked that stayed in its group, orphans included (an orphan keeps its group).
+def _guard() -> Iterator[int]:
+    """A guard process for the block, which yields the pipe the command reports its process group on.
 
-    The guard is a bare interpreter (``-I -S``) blocked in ``read``; it inherits the launcher's blocked signals, so the
-    terminal's and the scheduler's signals to our group leave it alone. A block that ends (the
-    command exited) tells it so with a line, and the guard leaves without killing anything.
+    Should the launcher die (SIGKILL, the OOM killer), the pipe reads end-of-file without "done" and
+    the guard kills that process group: the command and everything it forked that stayed in its group,
+    orphans included (an orphan keeps its group). The guard starts before the command, and the command
+    names its group before it execs, so no process of the job ever runs unguarded.
+
+    The guard is a bare interpreter (``-I -S``) blocked in ``read``; it inherits the launcher's blocked
+    signals, so the terminal's and the scheduler's signals to our group leave it alone. A block that
+    ends (the command exited, or never started) says "done", and the guard leaves without killing.
     """
-    with contextlib.suppress(PermissionError, ProcessLookupError):
-        os.setpgid(group, group)  # the child did it too; whichever runs first, it is done before the guard starts
-    r, w = os.pipe()
+    r, w = os.pipe()  # both ends close on exec: only the guard gets r (pass_fds), nobody else gets w
     try:
         guard = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", GUARD, str(r), str(group)],
+            [sys.executable, "-I", "-S", "-c", GUARD, str(r)],
             pass_fds=(r,),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+    except BaseException:
+        os.close(w)
+        raise
     finally:
         os.close(r)
     try:
-        yield
+        yield w
     finally:
         try:
-            os.write(w, b"done\n")
+            os.write(w, b" done\n")
         finally:
             os.close(w)
         guard.wait()
 
 
-def _child_setup(parent: int, mask: Iterable[int], *, new_group: bool) -> Callable[[], None]:
+def _child_setup(parent: int, mask: Iterable[int], *, report: int | None) -> Callable[[], None]:
     """What the command's process does between fork and exec: die with the launcher, take the signals.
 
-    Runs in the forked child, so it only makes system calls (no locks, no allocation to speak of).
+    ``report``: the guard's pipe; the command then leads a process group of its own and writes its
+    number there (the pipe's end closes at exec). Runs in the forked child, so it only makes system
+    calls (no locks, no allocation to speak of).
     """
     libc = ctypes.CDLL(None, use_errno=True)  # the interpreter's own symbols, libc's among them
     prctl = libc.prctl
@@ -302,8 +313,9 @@ def _child_setup(parent: int, mask: Iterable[int], *, new_group: bool) -> Callab
     restored = set(mask)
 
     def setup() -> None:
-        if new_group:
+        if report is not None:
             os.setpgid(0, 0)
+            os.write(report, b"%d\n" % os.getpid())
         prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent:  # the launcher died before the request took effect: nobody supervises us
             os._exit(NOT_EXECUTABLE)
