@@ -16,14 +16,23 @@ a job gone once none of its processes is alive and none of its connections is op
 Signals: SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2 and SIGQUIT are forwarded to the command. The
 launcher blocks them (and SIGCHLD) in every thread before it starts any, and takes them one at a
 time with ``sigtimedwait``, so none is lost or handled twice and the command's exit is seen as its
-SIGCHLD. The command stays in the launcher's process group, so the terminal's job control (Ctrl-Z,
-reading the terminal) works for it; a SIGINT or SIGQUIT that the kernel sent to that whole group
-(the terminal's Ctrl-C and Ctrl-\\) reached the command already and is not sent a second time.
+SIGCHLD. At a terminal, in its foreground, the command stays in the launcher's process group, so job
+control (Ctrl-Z) and reading the terminal (a debugger's prompt) work for it; a SIGINT or SIGQUIT that
+the kernel sent (``si_code`` SI_KERNEL, as the terminal driver's are) to that group reached the
+command already and is not sent a second time. Anywhere else the command leads a process group of
+its own.
 
 Clean-up: the command's exit status is returned (128 + N for a signal N, as shells do) after the
-launcher's connection is closed. A launcher killed outright (SIGKILL) takes its command with it:
-the command is started with ``PR_SET_PDEATHSIG`` = SIGKILL, so the daemon sees both connections
-drop and both processes go, and drops the job.
+launcher's connection is closed. A launcher killed outright (SIGKILL, the OOM killer) takes its
+command with it: the command is started with ``PR_SET_PDEATHSIG`` = SIGKILL (which follows the
+thread that forked it: the main thread, which lives as long as the launcher), and outside a
+terminal a guard process kills the command's whole process group, so the processes it forked go
+too; the daemon sees every connection drop and every process go, and drops the job.
+
+The command is started with ``preexec_fn`` while the client's reader thread runs (the launcher
+registers first, so a refused registration starts nothing). Python warns that a forked child may
+deadlock on a lock another thread held; the function run there only makes system calls through
+objects made before the fork, and takes no lock.
 """
 
 from __future__ import annotations
