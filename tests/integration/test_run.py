@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+import timesliced
 from timesliced.client.sync import daemon_status
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.util.processes import descendants, pid_alive
@@ -325,3 +326,41 @@ def test_at_a_terminal_the_command_keeps_the_terminal_and_ctrl_c_reaches_it_once
             proc.wait(10)
         os.close(master)
         os.close(slave)
+
+
+# An offload job's command: its executor does the moving, over the command's own connection.
+OFFLOADED = """
+import signal, timesliced
+
+class Executor:
+    def park(self, tags=(), *, verify=None):
+        print("parked", 1 << 20, flush=True)
+        return {"nbytes": 1 << 20, "seconds": 0.001, "per_gpu": {0: 1 << 20}}
+
+    def unpark(self, tags=(), *, verify=None):
+        print("unparked", flush=True)
+        return {"nbytes": 1 << 20, "seconds": 0.001, "per_gpu": {0: 1 << 20}}
+
+c = timesliced.Client(offloader=Executor())
+with c.slice():
+    pass
+print("released", flush=True)
+while True:
+    signal.pause()
+"""
+
+
+def test_an_offload_job_is_parked_by_its_commands_executor_as_one_job(
+    daemon: EmbeddedDaemon, launched: list[subprocess.Popen[str]]
+) -> None:
+    proc = start(launcher(daemon.socket, sys.executable, "-c", OFFLOADED, extra=("--park", "offload")))
+    launched.append(proc)
+    assert line(proc) == "released"
+    with timesliced.Client(job="b", group="g", address=daemon.socket, park="offload") as b:
+        b.acquire()  # a is idle and resident: it is parked first, through both of its connections
+        assert line(proc) == f"parked {1 << 20}"  # the command's executor moved the job's memory
+        (a,) = [j for j in b.status()["jobs"] if j["job"] == "a"]
+        assert (a["sessions"], a["location"], a["snapshots"]) == (2, "parked", 1)
+        b.release()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
