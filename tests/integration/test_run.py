@@ -113,13 +113,16 @@ def test_the_command_joins_the_job_with_no_arguments_and_its_exit_status_comes_b
 def test_a_grandchild_the_command_forks_later_is_in_the_job(
     daemon: EmbeddedDaemon, launched: list[subprocess.Popen[str]]
 ) -> None:
-    # The command forks a grandchild only after it has started, and waits for it.
+    # The command forks a grandchild only after it has started, and waits for it. The grandchild
+    # stays until it gets SIGUSR1, so that it is surely alive while the test looks at the tree.
+    stays = JOIN.replace("c.close()", "signal.sigwait([signal.SIGUSR1])\nc.close()").replace(
+        "import json", "import signal; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])\nimport json"
+    )
     command = textwrap.dedent(
         f"""
         import subprocess, sys
         print("started", flush=True)
-        sys.stdin.readline() if False else None
-        sys.exit(subprocess.call([sys.executable, "-c", {JOIN!r}, "0"]))
+        sys.exit(subprocess.call([sys.executable, "-c", {stays!r}, "0"]))
         """
     )
     proc = start(launcher(daemon.socket, sys.executable, "-c", command))
@@ -132,6 +135,7 @@ def test_a_grandchild_the_command_forks_later_is_in_the_job(
     # which is how the methods that move processes (cuda-checkpoint, the engines) find it.
     assert proc.pid in pids and said["pid"] in pids
     assert said["pid"] in descendants([proc.pid])
+    os.kill(said["pid"], signal.SIGUSR1)
     assert proc.wait(30) == 0
 
 
