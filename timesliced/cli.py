@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import errors
+from .client import launch
 from .cluster.discovery import DEFAULT_PEER_PORT, local_addresses, resolve_cluster
 from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_queue_policy, parse_slice_policy
 from .daemon.config_commands import add_config_commands, with_config_file
@@ -24,6 +25,7 @@ from .daemon.configfile import apply_groups, size_arg
 from .daemon.parking import CHOICES
 from .env import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV, TOKEN_ENV, default_state_dir, read_admin_token, read_token
 from .sim import DEFAULT_BANDWIDTH
+from .sim import clean as sim_clean
 from .util.parse import parse_host_port
 from .version import __version__
 
@@ -79,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--work-s", type=float, default=3600.0, metavar="S", help="each job's run time left, alone (makespan unit)"
     )
     advise.set_defaults(run=cmd_advise)
+
+    launch.add_command(sub)  # timesliced run
+    sim_clean.add_command(sub)  # timesliced sim clean
 
     demo = sub.add_parser("demo", help="run a mixed RL/SFT workload on simulated GPUs and print its figures")
     demo.add_argument("--json", action="store_true", help="print one JSON object")

@@ -15,6 +15,18 @@ SOCKET_ENV = "TIMESLICED_SOCKET"
 STATE_DIR_ENV = "TIMESLICED_STATE_DIR"
 SOCKET_NAME = "timesliced.sock"
 
+# What ``timesliced run`` hands the command it launches, so that ``Client()`` and ``AsyncClient()``
+# need no arguments inside it (an argument given explicitly always wins over these).
+ADDRESS_ENV = "TIMESLICED_ADDRESS"  # the daemon: a socket path, or tcp://HOST:PORT
+JOB_ENV = "TIMESLICED_JOB"
+GROUP_ENV = "TIMESLICED_GROUP"
+PARK_ENV = "TIMESLICED_PARK"  # a parking method's name, or the register's ``park`` map as JSON
+MEMORY_ENV = "TIMESLICED_MEMORY"  # the device memory the job declares on each of its GPUs ("20GiB")
+GPUS_ENV = "TIMESLICED_GPUS"  # the group's GPUs: "0,1" (the node's numbers) or "visible"
+PRIORITY_ENV = "TIMESLICED_PRIORITY"
+WEIGHT_ENV = "TIMESLICED_WEIGHT"
+MEMBER_ENVS = (ADDRESS_ENV, JOB_ENV, GROUP_ENV, PARK_ENV, MEMORY_ENV, GPUS_ENV, PRIORITY_ENV, WEIGHT_ENV)
+
 
 def default_state_dir() -> Path:
     if env := os.environ.get(STATE_DIR_ENV):

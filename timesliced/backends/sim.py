@@ -37,6 +37,7 @@ from timesliced.backends.base import DeviceInfo, JobTarget, MoveResult, SwapResu
 from timesliced.sim import DEFAULT_BANDWIDTH
 from timesliced.sim.layout import (
     FAULTED,
+    LOCK_NAME,
     PARKED,
     PARKING,
     RECLAIMED,
@@ -215,7 +216,7 @@ class SimBackend:
         for d in (self.root, self.root / "jobs", self.root / "parked"):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         # One daemon per root: the lock dies with its process, so a crashed daemon never blocks a new one.
-        lock_fd = os.open(self.root / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
         self._unlock = weakref.finalize(self, os.close, lock_fd)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

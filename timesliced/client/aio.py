@@ -110,14 +110,20 @@ class AsyncClient(ShellBase):
             log.warning("release after a failed slice failed too: %s", exc or "no answer in time")
 
     def on_accelerators(
-        self, timeout: float | None = None
+        self, timeout: float | None = None, *, pass_grant: bool = False
     ) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
-        """Decorator for coroutine functions: every call runs inside ``aslice()``."""
+        """Decorator for coroutine functions: every call runs inside ``aslice()``.
+
+        ``pass_grant=True``: the function also gets the call's ``Grant`` as the keyword argument
+        ``grant``, which its callers leave out (as ``Client.on_accelerators``).
+        """
 
         def decorate(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             @functools.wraps(fn)
             async def wrapper(*args: Any, **kwargs: Any) -> T:
-                async with self.aslice(timeout):
+                async with self.aslice(timeout) as grant:
+                    if pass_grant:
+                        kwargs["grant"] = grant
                     return await fn(*args, **kwargs)
 
             return wrapper

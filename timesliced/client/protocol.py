@@ -6,6 +6,7 @@ The pure parts live in ``codec.py`` (requests, frames, grants, the token proof's
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -14,7 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
-from ..env import TOKEN_ENV, default_socket_path, read_token
+from ..env import (
+    ADDRESS_ENV,
+    GPUS_ENV,
+    GROUP_ENV,
+    JOB_ENV,
+    MEMORY_ENV,
+    PARK_ENV,
+    PRIORITY_ENV,
+    TOKEN_ENV,
+    WEIGHT_ENV,
+    default_socket_path,
+    read_token,
+)
 from ..util.parse import parse_host_port, parse_size
 from ..wire.messages import EVERY_GPU, PROTOCOL_VERSION
 from ..wire.park import METHODS, ParkSpec
@@ -36,7 +49,10 @@ class Address:
 
 
 def resolve_address(address: str | os.PathLike[str] | None) -> Address:
-    """``None`` -> the local daemon's socket; ``"tcp://h:p"`` or ``"h:p"`` -> TCP; else a socket path."""
+    """``None`` -> ``$TIMESLICED_ADDRESS``, else the local daemon's socket; ``"tcp://h:p"`` or ``"h:p"`` -> TCP;
+    else a socket path. Raises ``ValueError`` for a TCP address without a port."""
+    if address is None:
+        address = os.environ.get(ADDRESS_ENV) or None
     if address is None:
         return Address("unix", path=str(default_socket_path()))
     text = os.fspath(address)
@@ -47,6 +63,100 @@ def resolve_address(address: str | os.PathLike[str] | None) -> Address:
         host, port = parse_host_port(text)
         return Address("tcp", host=host, port=port)
     return Address("unix", path=text)
+
+
+@dataclass(frozen=True)
+class Member:
+    """Who a client registers as: its arguments, with the environment filling what they leave out."""
+
+    job: str
+    group: str
+    gpus: list[int] | str | None
+    park: str | ParkSpec | None
+    memory: int | str | Mapping[int, int | str] | None
+    priority: int
+    weight: float
+
+
+def member(
+    job: str | None,
+    group: str | None,
+    *,
+    gpus: list[int] | str | None,
+    park: str | ParkSpec | None,
+    memory: int | str | Mapping[int, int | str] | None,
+    priority: int | None,
+    weight: float | None,
+    environ: Mapping[str, str] = os.environ,
+) -> Member:
+    """The client's job, group and registration, each from its argument or else from the environment.
+
+    ``timesliced run`` sets ``$TIMESLICED_JOB``, ``$TIMESLICED_GROUP`` and, where given,
+    ``$TIMESLICED_PARK`` (a method's name, or the ``park`` map as JSON), ``$TIMESLICED_MEMORY``
+    (a size), ``$TIMESLICED_GPUS`` (``0,1`` or ``visible``), ``$TIMESLICED_PRIORITY`` and
+    ``$TIMESLICED_WEIGHT`` for the command it launches. An argument given (not None) always wins.
+    Raises ``ValueError`` naming the variable when a value there is malformed, and when no job or
+    group is given either way.
+    """
+
+    def env(name: str) -> str | None:
+        value = environ.get(name, "").strip()
+        return value or None
+
+    job = job if job is not None else env(JOB_ENV)
+    group = group if group is not None else env(GROUP_ENV)
+    if job is None or group is None:
+        missing = " and ".join(what for what, value in (("job", job), ("group", group)) if value is None)
+        raise ValueError(
+            f"no {missing} given: pass job= and group=, or launch the program with "
+            f"`timesliced run --job J --group G -- CMD` (which sets ${JOB_ENV} and ${GROUP_ENV})"
+        )
+    if gpus is None and (text := env(GPUS_ENV)) is not None:
+        gpus = _env_gpus(text)
+    if park is None and (text := env(PARK_ENV)) is not None:
+        park = _env_park(text)
+    if memory is None and (text := env(MEMORY_ENV)) is not None:
+        try:
+            memory = parse_size(text)
+        except ValueError:
+            raise ValueError(f"${MEMORY_ENV}={text!r} is not a size; give one like 16GiB, 512MiB or 1.5GB") from None
+    if priority is None:
+        text = env(PRIORITY_ENV)
+        try:
+            priority = int(text) if text is not None else 0
+        except ValueError:
+            raise ValueError(f"${PRIORITY_ENV}={text!r} is not an integer") from None
+    if weight is None:
+        text = env(WEIGHT_ENV)
+        try:
+            weight = float(text) if text is not None else 1.0
+        except ValueError:
+            raise ValueError(f"${WEIGHT_ENV}={text!r} is not a number") from None
+    return Member(job, group, gpus, park, memory, priority, weight)
+
+
+def _env_gpus(text: str) -> list[int] | str:
+    if text == VISIBLE:
+        return VISIBLE
+    try:
+        gpus = [int(part) for part in text.split(",")]
+    except ValueError:
+        gpus = []
+    if not gpus or any(g < 0 for g in gpus):
+        raise ValueError(f"${GPUS_ENV}={text!r} is neither the node's GPU numbers (like 0,1) nor {VISIBLE!r}")
+    return gpus
+
+
+def _env_park(text: str) -> str | ParkSpec:
+    if not text.startswith("{"):
+        if text not in METHODS:
+            raise ValueError(f"${PARK_ENV}={text!r} is no parking method (known: {', '.join(METHODS)})")
+        return text
+    try:
+        return ParkSpec.from_wire(json.loads(text), "sim")
+    except (ValueError, errors.BadRequest) as exc:
+        reason = exc.message if isinstance(exc, errors.BadRequest) else str(exc)
+        raise ValueError(f"${PARK_ENV} holds no valid park map: {reason}") from None
 
 
 def hello_args() -> dict[str, Any]:

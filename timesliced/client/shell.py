@@ -15,7 +15,7 @@ from .. import errors
 from ..wire.park import ParkSpec
 from .codec import auth_args
 from .directives import OffloadExecutor
-from .protocol import find_token, hello_args, register_args, resolve_address
+from .protocol import find_token, hello_args, member, register_args, resolve_address
 from .session import ClientSession, LockState, Logged, Pushed
 
 log = logging.getLogger("timesliced.client")
@@ -25,6 +25,12 @@ _NOT_YET = errors.PermissionDenied("the token is read before the client connects
 
 class ShellBase:
     """The constructor and the read-only view of a client; see ``Client`` for the arguments.
+
+    ``job``, ``group``, ``address``, ``gpus``, ``park``, ``memory``, ``priority`` and ``weight`` left
+    out (None) come from the environment where it has them: ``timesliced run`` sets
+    ``$TIMESLICED_ADDRESS``, ``$TIMESLICED_JOB``, ``$TIMESLICED_GROUP`` and the rest for the command it
+    launches, so ``Client()`` needs no arguments there (``protocol.member``). Raises ``ValueError``
+    when neither names the job and group, or a variable is malformed.
 
     ``gpus``: the GPUs of the job's group as the node numbers them (NVML's
     indices, as ``nvidia-smi`` and ``timesliced status`` show them), ``None``
@@ -38,8 +44,8 @@ class ShellBase:
 
     def __init__(
         self,
-        job: str,
-        group: str,
+        job: str | None = None,
+        group: str | None = None,
         *,
         address: str | os.PathLike[str] | None = None,
         gpus: list[int] | str | None = None,
@@ -53,13 +59,15 @@ class ShellBase:
         reconnect: float = 60.0,
         parked_access: str = "wait",
         memory: int | str | Mapping[int, int | str] | None = None,
-        priority: int = 0,
-        weight: float = 1.0,
+        priority: int | None = None,
+        weight: float | None = None,
     ) -> None:
         if parked_access not in ("wait", "raise"):
             raise ValueError("parked_access must be 'wait' or 'raise'")
-        self.job = job
-        self.group = group
+        # What is not given comes from the environment that `timesliced run` sets (explicit arguments win).
+        who = member(job, group, gpus=gpus, park=park, memory=memory, priority=priority, weight=weight)
+        self.job = job = who.job
+        self.group = group = who.group
         self.address = resolve_address(address)
         self.offloader = offloader
         self.on_push = on_push
@@ -80,7 +88,7 @@ class ShellBase:
 
         self._core = ClientSession(
             job,
-            register_args(job, group, gpus, pids, park, memory, priority=priority, weight=weight),
+            register_args(job, group, who.gpus, pids, who.park, who.memory, priority=who.priority, weight=who.weight),
             hello_args(),
             address=str(self.address),
             auth=prove,

@@ -40,6 +40,12 @@ class Client(ShellBase):
     and then serves ``acquire`` / ``release`` / ``slice()``. All methods may be
     called from any thread; threads of one client share its hold on the lock.
 
+    Inside a command launched by ``timesliced run --job J --group G -- CMD``,
+    ``Client()`` needs no arguments: the job, group, daemon address, parking
+    method and memory declaration come from ``$TIMESLICED_JOB``,
+    ``$TIMESLICED_GROUP``, ``$TIMESLICED_ADDRESS``, ``$TIMESLICED_PARK`` and
+    ``$TIMESLICED_MEMORY`` (an argument given explicitly wins).
+
     Over TCP the daemon asks for its shared token: ``token``, else
     ``$TIMESLICED_TOKEN_FILE`` or ``$TIMESLICED_TOKEN`` (``PermissionDenied``
     without one, or with a wrong one).
@@ -157,13 +163,25 @@ class Client(ShellBase):
             raise
         self.release()
 
-    def on_accelerators(self, timeout: float | None = None) -> Callable[[F], F]:
-        """Decorator: every call of the function runs inside ``slice()``."""
+    def on_accelerators(self, timeout: float | None = None, *, pass_grant: bool = False) -> Callable[[F], F]:
+        """Decorator: every call of the function runs inside ``slice()``.
+
+        ``pass_grant=True``: the function also gets the call's ``Grant`` (its fence, how long it waited,
+        whether its state was restored) as the keyword argument ``grant``, which its callers leave out::
+
+            @client.on_accelerators(pass_grant=True)
+            def train_step(batch, *, grant):
+                log.info("fence %d, waited %.3fs", grant.fence, grant.waited_s)
+
+        Raises what ``acquire`` raises, and what the function raises (the lock is released either way).
+        """
 
         def decorate(fn: F) -> F:
             @functools.wraps(fn)
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                with self.slice(timeout):
+                with self.slice(timeout) as grant:
+                    if pass_grant:
+                        kwargs["grant"] = grant
                     return fn(*args, **kwargs)
 
             return wrapper  # type: ignore[return-value]

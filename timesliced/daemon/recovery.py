@@ -50,8 +50,12 @@ class Recovery:
         sim = self.parking.sim
         recovered = sim.recovered_jobs() if sim is not None else {}
         if picture is None:
+            # No journal (a first start, or a state dir that was removed while the sim's tmpfs was not):
+            # no job can claim what the simulated GPU holds, so it is given back rather than held forever.
             for job, (state, _) in recovered.items():
-                log.warning("simulated state of job %r (%s) is on this node but in no journal", job, state)
+                log.warning("reclaiming simulated state of job %r (%s): it is in no journal", job, state)
+                assert sim is not None
+                await sim.reclaim(job)
             return
         kept = []
         for entry in picture["jobs"]:

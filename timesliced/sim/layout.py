@@ -90,6 +90,9 @@ def job_key(job: str) -> str:
     return f"{readable}-{hashlib.sha1(raw).hexdigest()[:12]}"
 
 
+LOCK_NAME = "daemon.lock"  # the daemon's flock on its root: one daemon per root, released when its process dies
+
+
 def arena_path(root: Path, gpu: int) -> Path:
     return root / f"gpu{gpu}.arena"
 

@@ -1,0 +1,142 @@
+"""``timesliced sim clean``: remove the simulated GPU's state that a daemon left behind.
+
+The simulated GPU keeps its device memory and parked copies in files on tmpfs (``/dev/shm``, one
+directory per state dir, ``env.default_sim_dir``): an arena per GPU, a control file per job and
+the parked regions. They are kept on purpose when a daemon stops, cleanly or not: the next daemon
+started with the same state dir takes them up, so jobs that come back find their state (and the
+simulated state that no job of its journal owns is reclaimed then). What is left where no daemon
+will start again holds host memory until the node reboots; this removes it.
+
+It refuses while a daemon holds the directory: the daemon's lock on ``daemon.lock`` (an ``flock``
+that dies with its process) is taken here too for as long as the files are removed, so a daemon
+starting meanwhile refuses to start on them rather than adopt half of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import errors
+from ..env import default_sim_dir, default_state_dir
+from .layout import LOCK_NAME
+
+ARENA_SUFFIX = ".arena"
+KNOWN_DIRS = ("jobs", "parked")
+
+
+@dataclass(frozen=True)
+class Cleaned:
+    """What ``clean`` found and removed."""
+
+    root: Path
+    existed: bool
+    nbytes: int = 0  # the memory the files held (their allocated blocks: arenas are sparse)
+    jobs: int = 0  # control files: jobs whose state was there
+    parked: int = 0  # parked regions
+    kept: tuple[str, ...] = ()  # entries that are not the simulated GPU's, left alone
+
+
+def clean(root: Path) -> Cleaned:
+    """Remove the simulated GPU's files under ``root``; raises ``BackendError`` while a daemon uses it.
+
+    Only what the simulated GPU writes is removed (``gpu<N>.arena``, ``jobs/``, ``parked/`` and the
+    lock); anything else is left in place and named in ``kept``, and the directory then stays.
+    """
+    if not root.is_dir():
+        return Cleaned(root, existed=False)
+    lock = root / LOCK_NAME
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        fd = None  # no daemon ever started here, or one removed it: nothing can hold it
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise errors.BackendError(
+                    f"the simulated GPU at {root} is in use by a running daemon; stop that daemon first "
+                    "(its state is kept for its next start), then run `timesliced sim clean` again"
+                ) from None
+        jobs = len(list((root / "jobs").glob("*.ctl"))) if (root / "jobs").is_dir() else 0
+        parked = len(list((root / "parked").glob("*/*.bin"))) if (root / "parked").is_dir() else 0
+        nbytes, kept = 0, []
+        for entry in sorted(root.iterdir()):
+            if entry.name == LOCK_NAME:
+                continue  # last: it is what keeps a starting daemon off
+            ours = (entry.is_dir() and entry.name in KNOWN_DIRS) or (
+                entry.is_file() and entry.name.startswith("gpu") and entry.name.endswith(ARENA_SUFFIX)
+            )
+            if not ours:
+                kept.append(entry.name)
+                continue
+            nbytes += _allocated(entry)
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        if not kept:
+            lock.unlink(missing_ok=True)
+            root.rmdir()
+        return Cleaned(root, True, nbytes, jobs, parked, tuple(kept))
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _allocated(path: Path) -> int:
+    """The bytes ``path`` takes in memory (tmpfs) or on disk: allocated blocks, not apparent size."""
+    if path.is_file():
+        return path.stat().st_blocks * 512  # st_blocks counts 512-byte units (stat(2))
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``timesliced sim clean``'s parser, on the command line's subcommands."""
+    sim = sub.add_parser("sim", help="the simulated GPU's files")
+    sim_sub = sim.add_subparsers(dest="sim", metavar="ACTION", required=True)
+    p = sim_sub.add_parser(
+        "clean",
+        help="remove the simulated GPU state a stopped (or killed) daemon left on tmpfs",
+        description=(
+            "Remove the simulated GPU's arenas, control files and parked copies that a daemon left behind "
+            "(the next daemon on the same state dir would take them up instead). Refuses while a daemon uses them."
+        ),
+    )
+    p.add_argument(
+        "--state-dir", type=Path, default=None, help=f"the daemon's state directory (default {default_state_dir()})"
+    )
+    p.add_argument(
+        "--sim-dir", type=Path, default=None, help="the simulated GPU's directory (default: the state dir's)"
+    )
+    p.set_defaults(run=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    root = args.sim_dir or default_sim_dir(args.state_dir or default_state_dir())
+    done = clean(root)  # a BackendError is the command line's one-line error, status 1
+    if not done.existed:
+        print(f"nothing to clean: no simulated GPU state at {root}")
+        return 0
+    print(
+        f"removed the simulated GPU state at {root}: {done.jobs} job(s), {done.parked} parked region(s), "
+        f"{_human(done.nbytes)} of memory"
+    )
+    if done.kept:
+        print(f"left in place (not the simulated GPU's): {', '.join(done.kept)}", file=sys.stderr)
+    return 0
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
