@@ -43,6 +43,20 @@ def gang(*clients: Client, timeout: float | None = None, name: str | None = None
     member stopped waiting; ``BadRequest`` for clients of one group or of groups that share GPUs);
     then none of them holds. On leaving the block each releases.
     """
+    grants = acquire_gang(*clients, timeout=timeout, name=name)
+    try:
+        yield grants
+    finally:
+        for client in clients:
+            _release_quietly(client)
+
+
+def acquire_gang(*clients: Client, timeout: float | None = None, name: str | None = None) -> list[Grant]:
+    """Acquire every client's group as one gang and keep them: ``gang`` without the block.
+
+    Each client then holds its lock until its own ``release()``, so a caller can give the
+    groups back one at a time. Raises what ``gang`` raises; then none of them holds.
+    """
     gang_id, size = _members(clients, name)
     waiters = [c._submit(functools.partial(c._core.acquire, timeout, gang=gang_id, members=size)) for c in clients]
     grants: list[Grant] = []
@@ -55,11 +69,7 @@ def gang(*clients: Client, timeout: float | None = None, name: str | None = None
         for client in clients[: len(grants)]:
             _release_quietly(client)
         raise
-    try:
-        yield grants
-    finally:
-        for client in clients:
-            _release_quietly(client)
+    return grants
 
 
 @asynccontextmanager
