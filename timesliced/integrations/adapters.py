@@ -5,7 +5,9 @@ in the frameworks' sources (names change between releases: pass your own table w
 
 - veRL: ``RayPPOTrainer.fit`` wraps each step in ``marked_timer(name, timing_raw)``, named ``gen``
   (generation: the rollout), ``old_log_prob``, ``ref``, ``values``, ``update_critic``,
-  ``update_actor`` (the actor's and critic's workers: train), ``reward`` and ``adv`` (CPU, no lock).
+  ``update_actor``, ``save_checkpoint`` (the actor's and critic's workers: train), ``testing``
+  (validation: a rollout), ``update_weights`` (recent releases: a weight sync), ``reward`` and
+  ``adv`` (CPU, no lock; ``step`` wraps the whole step and only times).
   ``VerlTimers.marked_timer`` has the same call shape: put it in the trainer module's place
   (``verl.trainer.ppo.ray_trainer.marked_timer = timers.marked_timer``).
 - OpenRLHF: the PPO trainer's ``ppo_train`` (train) and ``broadcast_to_vllm`` (weight sync, called
@@ -34,7 +36,9 @@ VERL_TIMERS: Mapping[str, Phase] = {
     "values": Phase.TRAIN,
     "update_critic": Phase.TRAIN,
     "update_actor": Phase.TRAIN,
-    "update_weights": Phase.WEIGHT_SYNC,
+    "save_checkpoint": Phase.TRAIN,  # reads the trainer's GPU state
+    "testing": Phase.ROLLOUT,  # validation generates on the rollout engines
+    "update_weights": Phase.WEIGHT_SYNC,  # checkpoint_manager.update_weights, in recent releases
 }
 OPENRLHF_TRAINER: Mapping[str, Phase] = {"ppo_train": Phase.TRAIN, "broadcast_to_vllm": Phase.WEIGHT_SYNC}
 OPENRLHF_EXPERIENCE: Mapping[str, Phase] = {"make_experience_list": Phase.ROLLOUT}
