@@ -172,6 +172,20 @@ def test_holding_the_trainer_pool_while_asking_for_the_sampler_waits_behind_a_ga
     assert synced.is_set()
 
 
+@pytest.mark.slow
+def test_a_weight_sync_that_cannot_start_leaves_the_train_phase_holding_its_pool(runs: dict[str, Run]) -> None:
+    (a_trainer, a_sampler), (_, b_sampler) = runs["a"], runs["b"]
+    b_sampler.acquire(10)  # the samplers' pool stays busy
+    hooks = PhaseHooks(a_trainer, a_sampler, timeout=0.5)
+    hooks.begin_train()
+    with pytest.raises(errors.AcquireTimeout):
+        hooks.begin_weight_sync()
+    assert hooks.phases == (Phase.TRAIN,)
+    assert holders(a_trainer) == {"trainers": "a-trainer", "samplers": "b-sampler"}  # the pool taken back
+    hooks.end_train()
+    assert holders(a_trainer)["trainers"] is None
+
+
 def test_a_colocated_run_takes_one_lock_for_every_phase(runs: dict[str, Run]) -> None:
     trainer, _ = runs["a"]
     hooks = PhaseHooks(trainer, timeout=10)
