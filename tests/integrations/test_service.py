@@ -17,6 +17,7 @@ import pytest
 np = pytest.importorskip("numpy")
 
 from timesliced import errors  # noqa: E402
+from timesliced.client.offload import HostDeviceMemory, Offloader  # noqa: E402
 from timesliced.config import DaemonConfig  # noqa: E402
 from timesliced.daemon.embedded import EmbeddedDaemon  # noqa: E402
 from timesliced.env import default_sim_dir  # noqa: E402
@@ -67,10 +68,20 @@ def reference(seed: int, batches: list[tuple[Any, Any]]) -> tuple[list[float], l
     return losses, samples, bytes(state)
 
 
-def test_two_jobs_training_loops_share_one_gpu_and_get_exact_results(daemon: EmbeddedDaemon) -> None:
+def host_offloader(job: str) -> Offloader:
+    """Each job's own offloader over the CPU stand-in for device memory."""
+    return Offloader(HostDeviceMemory(gpus=1))
+
+
+@pytest.mark.parametrize("parking", ["sim", "offload"])
+def test_two_jobs_training_loops_share_one_gpu_and_get_exact_results(daemon: EmbeddedDaemon, parking: str) -> None:
+    """sim: the daemon moves the jobs' simulated regions; offload: it directs each job's offloader."""
     seeds = {"sft-a": 1, "sft-b": 2}
     batches = {job: data(seed + 10) for job, seed in seeds.items()}
-    with TrainingService(group="gpu0", gpus=[0], address=str(daemon.socket), timeout=30) as service:
+    offloader = host_offloader if parking == "offload" else None
+    with TrainingService(
+        group="gpu0", gpus=[0], address=str(daemon.socket), timeout=30, offloader=offloader
+    ) as service:
         clients = {
             job: service.create_training_client(job, LinearModel(16, 4, seed=seed), device_memory=FOOTPRINT)
             for job, seed in seeds.items()
@@ -89,6 +100,7 @@ def test_two_jobs_training_loops_share_one_gpu_and_get_exact_results(daemon: Emb
         finals = {job: client.state().result(30) for job, client in clients.items()}
         records = {job: list(client.slices) for job, client in clients.items()}
         status = clients["sft-a"].client.status()
+        kinds = {type(c.region).__name__ for c in clients.values()}
 
     for job, seed in seeds.items():
         want_losses, want_samples, want_state = reference(seed, batches[job])
@@ -103,6 +115,7 @@ def test_two_jobs_training_loops_share_one_gpu_and_get_exact_results(daemon: Emb
     assert sum(r.restored for rs in records.values() for r in rs) >= STEPS
     assert not np.array_equal(samples["sft-a"][-1], samples["sft-b"][-1])
     assert {j["job"] for j in status["jobs"]} == set(seeds)  # one job each, no more
+    assert kinds == {"SimRegion" if parking == "sim" else "Region"}
 
 
 def test_the_units_work_on_the_device_bytes(daemon: EmbeddedDaemon) -> None:

@@ -16,11 +16,19 @@ queued by then (up to ``units_per_slice``), and yields. Between slices the daemo
 device state (its simulated region, moved to host memory and back) whenever another job of the
 group is waiting, so several jobs' loops share one GPU.
 
-A job's device state lives in one region of simulated device memory (``Client.sim_alloc``) on the
-daemon's simulated GPU: the model's bytes, read and written by its work units, and moved by the
-daemon when it parks the job. The work units are the ``Model``'s: ``forward_backward`` (add a
-batch's gradients, return its loss), ``optim_step`` (apply and clear them) and ``sample``
-(outputs for prompts), each a computation on those bytes (``LinearModel`` is a small real one).
+A job's device state lives in one region of device memory: the model's bytes, read and written by
+its work units, and moved to host memory and back when the job is parked. Where the region is
+depends on the service's parking:
+
+- ``offloader=None`` (the default): simulated device memory (``Client.sim_alloc``) on a daemon
+  with the ``sim`` backend, parked by the daemon itself;
+- ``offloader=factory``: a region of the job's own ``Offloader`` (``factory(job)`` builds it:
+  ``CudaDeviceMemory`` on a GPU, ``HostDeviceMemory`` elsewhere), tag ``model``, parked by the
+  offload method: the daemon directs the job's client to park and unpark it.
+
+The work units are the ``Model``'s: ``forward_backward`` (add a batch's gradients, return its
+loss), ``optim_step`` (apply and clear them) and ``sample`` (outputs for prompts), each a
+computation on those bytes (``LinearModel`` is a small real one).
 
 The service runs in one process (a server would put a transport in front of ``TrainingClient``);
 its jobs' clients connect to the node's daemon like any job's.
@@ -36,12 +44,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..client.offload import Offloader
 from ..client.sync import Client
 from ..errors import TimeslicedError
+from ..wire.park import ParkSpec
 
 log = logging.getLogger(__name__)
 
 _STOP = None  # the queue's end marker
+MODEL_TAG = "model"  # the offload tag of a job's state
 
 
 class Model(Protocol):
@@ -78,16 +89,72 @@ class _Unit:
     future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
+class _Storage(Protocol):
+    """Where a job's state lives between its slices (touched only while the job holds its lock)."""
+
+    region: Any
+
+    def load(self, view: memoryview) -> None: ...
+
+    def store(self, view: memoryview) -> None: ...
+
+    def free(self) -> None: ...
+
+
+class _SimStorage:
+    """A region of the daemon's simulated device memory, parked by the daemon."""
+
+    def __init__(self, client: Client, nbytes: int) -> None:
+        self._client = client
+        self.region = client.sim_alloc(nbytes, client.gpus[0])
+
+    def load(self, view: memoryview) -> None:
+        self.region.readinto(view)
+
+    def store(self, view: memoryview) -> None:
+        self.region.write(view)
+
+    def free(self) -> None:
+        self._client.sim_free(self.region)
+
+
+class _OffloadStorage:
+    """A region of the job's ``Offloader`` (tag ``model``), parked when the daemon directs."""
+
+    def __init__(self, offloader: Offloader, nbytes: int) -> None:
+        self._offloader = offloader
+        self.region = offloader.alloc(nbytes, tag=MODEL_TAG)
+
+    def load(self, view: memoryview) -> None:
+        view[:] = self.region.read(0, len(view))
+
+    def store(self, view: memoryview) -> None:
+        self.region.write(view)
+
+    def free(self) -> None:
+        self._offloader.free(self.region)
+
+
 class TrainingClient:
     """One job's handle on the service: each call queues a work unit and returns its ``Future``.
 
     Units run in the order they were queued. A unit that raises sets its future's exception; the
     job's later units still run. ``slices``: what each slice ran (for inspection and tests);
-    ``region``: the job's device memory (a ``SimRegion``), where its model's bytes live.
+    ``region``: the job's device memory (a ``SimRegion``, or the offloader's ``Region``), where its
+    model's bytes live (from offset 0).
     Raises ``RuntimeError`` for a call after ``close()``.
     """
 
-    def __init__(self, service: TrainingService, job: str, model: Model, client: Client, *, device_memory: int) -> None:
+    def __init__(
+        self,
+        service: TrainingService,
+        job: str,
+        model: Model,
+        client: Client,
+        *,
+        device_memory: int,
+        offloader: Offloader | None = None,
+    ) -> None:
         self.job = job
         self.model = model
         self.client = client
@@ -99,9 +166,13 @@ class TrainingClient:
         model.init(memoryview(initial))
         # The job's device memory: the model's bytes, padded to what the job declares it occupies.
         # Between slices they live there only (parked by the daemon when another job's turn needs it).
+        nbytes = max(device_memory, model.nbytes)
+        storage: _Storage
         with client.slice(service.timeout):
-            self.region = client.sim_alloc(max(device_memory, model.nbytes), client.gpus[0])
-            self.region.write(initial)
+            storage = _SimStorage(client, nbytes) if offloader is None else _OffloadStorage(offloader, nbytes)
+            storage.store(memoryview(initial))
+        self._storage = storage
+        self.region: Any = storage.region
         self._worker = threading.Thread(target=self._run, name=f"timesliced-service-{job}", daemon=True)
         self._worker.start()
 
@@ -154,7 +225,7 @@ class TrainingClient:
         try:
             with self.client.slice(self._service.timeout) as grant:
                 view = memoryview(bytearray(self.model.nbytes))
-                self.region.readinto(view)  # the device's bytes, as the daemon left them
+                self._storage.load(view)  # the device's bytes, as the last restore left them
                 for unit in units:
                     if not unit.future.set_running_or_notify_cancel():
                         continue
@@ -162,7 +233,7 @@ class TrainingClient:
                         unit.future.set_result(unit.run(view))
                     except Exception as exc:  # the user's unit failed: its future says why
                         unit.future.set_exception(exc)
-                self.region.write(view)
+                self._storage.store(view)
             self.slices.append(SliceRecord(tuple(u.kind for u in units), grant.restored, grant.waited_s))
         except TimeslicedError as exc:  # no slice (timeout, lost daemon, faulted job): the units fail
             for unit in units:
@@ -177,7 +248,7 @@ class TrainingClient:
         self._queue.put(_STOP)
         self._worker.join()
         try:
-            self.client.sim_free(self.region)
+            self._storage.free()
         except TimeslicedError as exc:
             log.warning("freeing %s's device memory failed: %s", self.job, exc)
         self.client.close()
@@ -189,6 +260,8 @@ class TrainingService:
     ``group``, ``gpus``, ``address``, ``token``: where the jobs' clients register (``Client``'s
     arguments). ``timeout``: how long a unit waits for its job's turn (``AcquireTimeout`` in its
     future). ``units_per_slice``: at most this many queued units run in one slice.
+    ``offloader``: ``None`` to keep each job's state in simulated device memory, or a function
+    that builds a job's ``Offloader`` (given the job's name) to park it with the offload method.
     """
 
     def __init__(
@@ -200,6 +273,7 @@ class TrainingService:
         token: str | None = None,
         timeout: float | None = 60.0,
         units_per_slice: int = 8,
+        offloader: Callable[[str], Offloader] | None = None,
     ) -> None:
         if units_per_slice < 1:
             raise ValueError("units_per_slice must be at least 1")
@@ -209,6 +283,7 @@ class TrainingService:
         self.token = token
         self.timeout = timeout
         self.units_per_slice = units_per_slice
+        self.offloader = offloader
         self.clients: dict[str, TrainingClient] = {}
 
     def create_training_client(self, job: str, model: Model, *, device_memory: int = 0) -> TrainingClient:
@@ -220,9 +295,13 @@ class TrainingService:
         """
         if job in self.clients:
             raise ValueError(f"job {job!r} has a training client already: use it, or close it first")
-        client = Client(job, self.group, address=self.address, gpus=self.gpus, token=self.token)
+        offloader = None if self.offloader is None else self.offloader(job)
+        park = None if offloader is None else ParkSpec("offload", tags=(MODEL_TAG,))
+        client = Client(
+            job, self.group, address=self.address, gpus=self.gpus, token=self.token, park=park, offloader=offloader
+        )
         try:
-            training = TrainingClient(self, job, model, client, device_memory=device_memory)
+            training = TrainingClient(self, job, model, client, device_memory=device_memory, offloader=offloader)
         except BaseException:
             client.close()
             raise
