@@ -5,6 +5,7 @@ Two RL runs (a, b) share both pools: the trainers' group on GPU 0, the samplers'
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,7 @@ from timesliced.integrations.adapters import (
     VerlTimers,
     wrap_methods,
 )
-from timesliced.integrations.phases import Phase, PhaseHooks
+from timesliced.integrations.phases import AsyncPhaseHooks, Phase, PhaseHooks
 
 from ..helpers.processes import wait_for
 
@@ -137,8 +138,8 @@ class OrderedHooks(PhaseHooks):
         for role, client in (("trainer", self.trainer), ("sampler", self.sampler)):
             if role not in self._held:
                 client.acquire(self.timeout)
-                self._held.add(role)
-        self._stack.append(phase)
+                self._held |= {role}
+        self._stack = (*self._stack, phase)
 
 
 @pytest.mark.slow
@@ -286,3 +287,45 @@ def test_slime_tables_and_a_missing_method(runs: dict[str, Run]) -> None:
     assert seen[2][1] == {"trainers": "a-trainer", "samplers": None}
     with pytest.raises(ValueError, match="has no method train, update_weights"):
         wrap_methods(Rollouts(), hooks, {**SLIME_ACTOR, "generate": Phase.ROLLOUT})
+
+
+@pytest.mark.slow
+def test_async_hooks_sync_from_opposite_pools_too(daemon: EmbeddedDaemon) -> None:
+    sock = str(daemon.socket)
+
+    async def scenario() -> list[str]:
+        clients = {
+            name: (
+                timesliced.AsyncClient(f"{name}-trainer", "trainers", address=sock, gpus=[0]),
+                timesliced.AsyncClient(f"{name}-sampler", "samplers", address=sock, gpus=[1]),
+            )
+            for name in ("a", "b")
+        }
+        a, b = (AsyncPhaseHooks(*clients[n], timeout=20) for n in ("a", "b"))
+        holding = {"a": asyncio.Event(), "b": asyncio.Event()}
+        done: list[str] = []
+
+        async def run(name: str, hooks: AsyncPhaseHooks, outer: Phase) -> None:
+            async with hooks.phase(outer):
+                holding[name].set()
+                for event in holding.values():
+                    await event.wait()  # a holds the trainers' pool, b the samplers'
+                async with hooks.weight_sync():
+                    assert hooks.held == {"trainer", "sampler"}
+                    done.append(name)
+                assert hooks.phases == (outer,)
+
+        try:
+            await asyncio.wait_for(asyncio.gather(run("a", a, Phase.TRAIN), run("b", b, Phase.ROLLOUT)), 30)
+            probe = clients["a"][0]
+            assert {g["group"]: g["holder"] for g in (await probe.status())["groups"]} == {
+                "trainers": None,
+                "samplers": None,
+            }
+        finally:
+            for pair in clients.values():
+                for c in pair:
+                    await c.close()
+        return sorted(done)
+
+    assert asyncio.run(scenario()) == ["a", "b"]

@@ -48,7 +48,18 @@ ALLOWED: dict[str, set[str]] = {
     "apps": {"foundation", "core", "sim", "client", "integrations", "backends", "cluster", "observation", "daemon"},
 }
 # Pure cores: no I/O, no clock, no threads, and nothing that is not pure itself.
-PURE = ("core", "wire", "errors", "version", "util.stats", "util.parse", "cluster", "client.session", "client.codec")
+PURE = (
+    "core",
+    "wire",
+    "errors",
+    "version",
+    "util.stats",
+    "util.parse",
+    "cluster",
+    "client.session",
+    "client.codec",
+    "integrations.phase_plan",
+)
 IMPURE_IN_PURE_PACKAGES = ("cluster.transport", "cluster.discovery")  # the cluster's asyncio shells
 FORBIDDEN_IN_PURE = {
     "asyncio",

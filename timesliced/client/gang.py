@@ -77,6 +77,18 @@ async def gang_async(
     *clients: AsyncClient, timeout: float | None = None, name: str | None = None
 ) -> AsyncIterator[list[Grant]]:
     """``async with timesliced.gang_async(a, b):``: ``gang`` for ``AsyncClient``s (same raises)."""
+    grants = await acquire_gang_async(*clients, timeout=timeout, name=name)
+    try:
+        yield grants
+    finally:
+        for client in clients:
+            await _arelease_quietly(client)
+
+
+async def acquire_gang_async(
+    *clients: AsyncClient, timeout: float | None = None, name: str | None = None
+) -> list[Grant]:
+    """``acquire_gang`` for ``AsyncClient``s: each holds its lock until its own ``release()`` (same raises)."""
     gang_id, size = _members(clients, name)
     waiters = [c._submit(functools.partial(c._core.acquire, timeout, gang=gang_id, members=size)) for c in clients]
     grants: list[Grant] = []
@@ -90,11 +102,7 @@ async def gang_async(
         for client in clients[: len(grants)]:
             await _arelease_quietly(client)
         raise
-    try:
-        yield grants
-    finally:
-        for client in clients:
-            await _arelease_quietly(client)
+    return grants
 
 
 def _abandon(client: Client, rid: int) -> None:
