@@ -235,7 +235,9 @@ class TrainingClient:
                         unit.future.set_exception(exc)
                 self._storage.store(view)
             self.slices.append(SliceRecord(tuple(u.kind for u in units), grant.restored, grant.waited_s))
-        except TimeslicedError as exc:  # no slice (timeout, lost daemon, faulted job): the units fail
+        except Exception as exc:  # no slice (timeout, lost daemon, faulted job), or the storage failed
+            if not isinstance(exc, TimeslicedError):
+                log.exception("%s: a slice failed", self.job)
             for unit in units:
                 if not unit.future.done():
                     unit.future.set_exception(exc)
