@@ -12,17 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np  # the test extra has it: a missing numpy fails here rather than skipping
 import pytest
 
-np = pytest.importorskip("numpy")
-
-from timesliced import errors  # noqa: E402
-from timesliced.client.offload import HostDeviceMemory, Offloader  # noqa: E402
-from timesliced.config import DaemonConfig  # noqa: E402
-from timesliced.daemon.embedded import EmbeddedDaemon  # noqa: E402
-from timesliced.env import default_sim_dir  # noqa: E402
-from timesliced.integrations.linear import LinearModel  # noqa: E402
-from timesliced.integrations.service import TrainingService  # noqa: E402
+from timesliced import errors
+from timesliced.client.offload import HostDeviceMemory, Offloader
+from timesliced.config import DaemonConfig
+from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.env import default_sim_dir
+from timesliced.integrations.linear import LinearModel
+from timesliced.integrations.service import TrainingService
 
 MiB = 1 << 20
 GPU = 4 * MiB
