@@ -27,6 +27,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "core": ("core",),
     "sim": ("sim",),
     "client": ("client", ""),  # "": the package root, which re-exports the client
+    "integrations": ("integrations",),
     "backends": ("backends", "nvml"),
     "cluster": ("cluster",),
     "observation": ("telemetry", "metrics", "dashboard"),
@@ -39,14 +40,26 @@ ALLOWED: dict[str, set[str]] = {
     "core": {"foundation"},
     "sim": {"foundation"},
     "client": {"foundation", "sim"},
+    "integrations": {"foundation", "sim", "client"},  # above the client, never the daemon
     "backends": {"foundation", "sim"},
     "cluster": {"foundation", "core"},
     "observation": {"foundation", "core", "backends"},
     "daemon": {"foundation", "core", "sim", "backends", "cluster", "observation"},
-    "apps": {"foundation", "core", "sim", "client", "backends", "cluster", "observation", "daemon"},
+    "apps": {"foundation", "core", "sim", "client", "integrations", "backends", "cluster", "observation", "daemon"},
 }
 # Pure cores: no I/O, no clock, no threads, and nothing that is not pure itself.
-PURE = ("core", "wire", "errors", "version", "util.stats", "util.parse", "cluster", "client.session", "client.codec")
+PURE = (
+    "core",
+    "wire",
+    "errors",
+    "version",
+    "util.stats",
+    "util.parse",
+    "cluster",
+    "client.session",
+    "client.codec",
+    "integrations.phase_plan",
+)
 IMPURE_IN_PURE_PACKAGES = ("cluster.transport", "cluster.discovery")  # the cluster's asyncio shells
 FORBIDDEN_IN_PURE = {
     "asyncio",

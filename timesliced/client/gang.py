@@ -43,6 +43,20 @@ def gang(*clients: Client, timeout: float | None = None, name: str | None = None
     member stopped waiting; ``BadRequest`` for clients of one group or of groups that share GPUs);
     then none of them holds. On leaving the block each releases.
     """
+    grants = acquire_gang(*clients, timeout=timeout, name=name)
+    try:
+        yield grants
+    finally:
+        for client in clients:
+            _release_quietly(client)
+
+
+def acquire_gang(*clients: Client, timeout: float | None = None, name: str | None = None) -> list[Grant]:
+    """Acquire every client's group as one gang and keep them: ``gang`` without the block.
+
+    Each client then holds its lock until its own ``release()``, so a caller can give the
+    groups back one at a time. Raises what ``gang`` raises; then none of them holds.
+    """
     gang_id, size = _members(clients, name)
     waiters = [c._submit(functools.partial(c._core.acquire, timeout, gang=gang_id, members=size)) for c in clients]
     grants: list[Grant] = []
@@ -55,11 +69,7 @@ def gang(*clients: Client, timeout: float | None = None, name: str | None = None
         for client in clients[: len(grants)]:
             _release_quietly(client)
         raise
-    try:
-        yield grants
-    finally:
-        for client in clients:
-            _release_quietly(client)
+    return grants
 
 
 @asynccontextmanager
@@ -67,6 +77,18 @@ async def gang_async(
     *clients: AsyncClient, timeout: float | None = None, name: str | None = None
 ) -> AsyncIterator[list[Grant]]:
     """``async with timesliced.gang_async(a, b):``: ``gang`` for ``AsyncClient``s (same raises)."""
+    grants = await acquire_gang_async(*clients, timeout=timeout, name=name)
+    try:
+        yield grants
+    finally:
+        for client in clients:
+            await _arelease_quietly(client)
+
+
+async def acquire_gang_async(
+    *clients: AsyncClient, timeout: float | None = None, name: str | None = None
+) -> list[Grant]:
+    """``acquire_gang`` for ``AsyncClient``s: each holds its lock until its own ``release()`` (same raises)."""
     gang_id, size = _members(clients, name)
     waiters = [c._submit(functools.partial(c._core.acquire, timeout, gang=gang_id, members=size)) for c in clients]
     grants: list[Grant] = []
@@ -80,11 +102,7 @@ async def gang_async(
         for client in clients[: len(grants)]:
             await _arelease_quietly(client)
         raise
-    try:
-        yield grants
-    finally:
-        for client in clients:
-            await _arelease_quietly(client)
+    return grants
 
 
 def _abandon(client: Client, rid: int) -> None:
