@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import urllib.request
 from pathlib import Path
@@ -25,6 +26,7 @@ from timesliced.metrics import Metrics
 from ..helpers.promql import legend_labels, parse, problems, used_metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "packaging" / "grafana" / "timesliced.json"
+METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "metrics.md"
 MiB = 1 << 20
 
 # What the issue asks the dashboard to show, as the metrics that carry it.
@@ -176,3 +178,15 @@ def test_an_unreadable_expression_is_refused() -> None:
     with pytest.raises(ValueError, match="cannot read"):
         parse("x @@ y")
     assert legend_labels("{{ a }} on {{b}}") == {"a", "b"}
+
+
+def test_the_metrics_page_documents_every_family_and_no_other() -> None:
+    """docs/guide/metrics.md has a table row for each family the daemon exports, and names no other."""
+    families = {family.name for family in Metrics(dict, node="n").registry.collect()}
+    families = {"timesliced_info" if name == "timesliced" else name for name in families}
+    text = METRICS_PAGE.read_text()
+    rows = set(re.findall(r"^\| `(timesliced_[a-z_]+)` \|", text, re.M))
+    named = {n for n in re.findall(r"\b(timesliced_[a-z_]+)", text)}
+    exposed = set(collector_names())
+    assert (sorted(families - rows), sorted(rows - families)) == ([], [])
+    assert sorted(n for n in named if n not in families and n not in exposed) == []
