@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import configparser
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -76,6 +77,38 @@ def test_every_other_option_of_the_unit_is_a_serve_option() -> None:
 )
 def test_the_config_option_is_a_serve_option() -> None:
     assert "--config" in serve_options()
+
+
+def commands() -> set[str]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return set(sub.choices)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    "config" not in commands(),
+    reason="`timesliced config check` comes with the config file",
+    strict=True,
+)
+@pytest.mark.parametrize("commented", [False, True], ids=["as-shipped", "commented-keys-too"])
+def test_the_example_passes_config_check(tmp_path: Path, commented: bool) -> None:
+    """``timesliced config check`` accepts the example, and with its commented-out settings turned on."""
+    text = EXAMPLE.read_text()
+    if commented:
+        text = re.sub(r"^# ([a-z_]+ = )", r"\1", text, flags=re.M)
+        assert text.count("\n") == EXAMPLE.read_text().count("\n") and "\ntoken_file = " in text
+    config = tmp_path / "timesliced.toml"
+    config.write_text(text)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-m", "timesliced", "config", "check", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def example() -> dict[str, Any]:
