@@ -21,7 +21,8 @@ for the options it accepts, no more:
 
 Unknown options are refused, so a script that relies on more than this fails here rather than on a
 real cluster. Every step appends what happened to ``$FAKE_SLURM_LOG`` as JSON lines: ``start``
-(argv, options, the task list with node, pid and command), ``signal`` and ``exit`` (status). A task
+(argv, options, the task list with node and pid, and the names of the shared-token variables in
+the step's environment), ``signal`` and ``exit`` (status). A task
 whose srun is killed with SIGKILL is killed with it (PR_SET_PDEATHSIG), as slurmstepd would.
 """
 
@@ -150,7 +151,19 @@ def srun(argv: list[str]) -> int:
             files.append(out)
         tasks.append(subprocess.Popen(command, env=env, stdout=out, stderr=out, preexec_fn=_die_with_parent))
     started = [{"node": n, "pid": p.pid} for n, p in zip(nodes, tasks, strict=True)]
-    log({"event": "start", "srun": os.getpid(), "argv": argv, "options": options, "command": command, "tasks": started})
+    # Which shared-token variables the step's environment holds (their names, never their values).
+    tokens = sorted(name for name in ("TIMESLICED_TOKEN", "TIMESLICED_PEER_TOKEN") if name in os.environ)
+    log(
+        {
+            "event": "start",
+            "srun": os.getpid(),
+            "argv": argv,
+            "options": options,
+            "command": command,
+            "tasks": started,
+            "tokens": tokens,
+        }
+    )
     codes = [p.wait() for p in tasks]  # PEP 475: a forwarded signal does not interrupt the wait
     for f in files:
         f.close()

@@ -152,6 +152,7 @@ class Allocation:
             "TIMESLICED_SERVE_ARGS": "--backend sim --gpus 1 --gpu-memory 64MiB --bandwidth 0 --web off "
             "--election-timeout 0.2",
             "TIMESLICED_READY_TIMEOUT": "60",
+            "TIMESLICED_PEER_TOKEN": "a-token-of-the-caller-0123456789",  # would clash with the script's
             **extra,
         }
 
@@ -255,6 +256,12 @@ def test_the_batch_script_starts_a_daemon_per_node_waits_runs_the_jobs_and_stops
         assert not (state / "timesliced.sock").exists()  # a clean stop removes it
         assert (state / "daemon.pid").read_text().strip() == str(daemons["tasks"][NODES.index(node)]["pid"])
     assert "timesliced: daemons stopped" in result.stdout
+
+    # A fresh token reached the daemons' step only, never as an argument; the caller's older-spelling
+    # token, which would clash with it, was kept from the daemons and left to the other steps.
+    assert daemons["tokens"] == ["TIMESLICED_TOKEN"]
+    assert all(step["tokens"] == ["TIMESLICED_PEER_TOKEN"] for step in (wait, *members))
+    assert not any("TOKEN" in word for step in (daemons, wait, *members) for word in step["argv"])
 
 
 @pytest.mark.slow
