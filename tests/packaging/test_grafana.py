@@ -23,7 +23,7 @@ import timesliced
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.metrics import Metrics
 
-from ..helpers.promql import legend_labels, parse, problems, used_metrics
+from ..helpers.promql import dashboard_queries, legend_labels, parse, problems, used_metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "packaging" / "grafana" / "timesliced.json"
 METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "metrics.md"
@@ -190,3 +190,28 @@ def test_the_metrics_page_documents_every_family_and_no_other() -> None:
     exposed = set(collector_names())
     assert (sorted(families - rows), sorted(rows - families)) == ([], [])
     assert sorted(n for n in named if n not in families and n not in exposed) == []
+
+
+def test_the_dashboard_is_well_formed() -> None:
+    """What Grafana needs to lay it out: unique ids, rows of 24 columns without overlaps, one data source."""
+    board = dashboard()
+    panels = board["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(set(ids)) == len(ids)
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+        refs = [t["refId"] for t in p.get("targets", [])]
+        assert len(set(refs)) == len(refs), p["title"]
+        for source in [p.get("datasource"), *(t.get("datasource") for t in p.get("targets", []))]:
+            assert source in (None, {"type": "prometheus", "uid": "${datasource}"}), p["title"]
+        if p["type"] != "row":
+            assert p["targets"] and p["description"], p["title"]
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    used = {name for _, expr, _, _ in dashboard_queries(board) for name in re.findall(r"\$(\w+)", expr)}
+    assert used - {"__rate_interval", "__range"} <= variables.keys()
