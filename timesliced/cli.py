@@ -19,10 +19,12 @@ from typing import Any
 from . import errors
 from .cluster.discovery import DEFAULT_PEER_PORT, local_addresses, resolve_cluster
 from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_queue_policy, parse_slice_policy
+from .daemon.config_commands import add_config_commands, with_config_file
+from .daemon.configfile import apply_groups, size_arg
 from .daemon.parking import CHOICES
 from .env import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV, TOKEN_ENV, default_state_dir, read_admin_token, read_token
 from .sim import DEFAULT_BANDWIDTH
-from .util.parse import parse_host_port, parse_size
+from .util.parse import parse_host_port
 from .version import __version__
 
 
@@ -33,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        args = with_config_file(parser, args, argv)  # a config file's values under the flags
         return int(args.run(args) or 0)
     except errors.TimeslicedError as exc:
         print(f"timesliced: {exc.message}", file=sys.stderr)
@@ -48,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the node daemon")
     add_daemon_options(serve)
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    levels = ["DEBUG", "INFO", "WARNING", "ERROR"]
+    serve.add_argument("--log-level", default="INFO", choices=levels, help="the least severe log lines shown")
     serve.set_defaults(run=cmd_serve)
+    add_config_commands(sub, serve)  # serve --config FILE, and timesliced config check|show|keys
 
     status = sub.add_parser("status", help="show groups, jobs and devices of a running daemon")
     status.add_argument("--address", help="daemon socket path or HOST:PORT (default: the local daemon)")
@@ -222,7 +227,7 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
         help="how jobs that name no method are parked; auto: cuda-checkpoint where the driver supports it, else sim",
     )
     p.add_argument("--gpus", type=int, default=2, help="number of simulated GPUs")
-    p.add_argument("--gpu-memory", type=parse_size, default="16GiB", metavar="SIZE", help="memory per simulated GPU")
+    p.add_argument("--gpu-memory", type=size_arg, default="16GiB", metavar="SIZE", help="memory per simulated GPU")
     p.add_argument(
         "--bandwidth",
         type=float,
@@ -241,7 +246,7 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     host = p.add_argument_group("host memory for parked state")
     host.add_argument(
         "--host-memory-limit",
-        type=parse_size,
+        type=size_arg,
         default=None,
         metavar="SIZE",
         help="a budget for all parked state on this node (default: what the host and its cgroups allow, less a "
@@ -249,7 +254,7 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     )
     host.add_argument(
         "--host-memory-margin",
-        type=parse_size,
+        type=size_arg,
         default=None,
         metavar="SIZE",
         help="host memory kept free of parked state (default: 5%% of the host's memory, 512MiB to 8GiB)",
@@ -257,7 +262,7 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     residency = p.add_argument_group("co-residency and prefetch")
     residency.add_argument(
         "--memory-headroom",
-        type=parse_size,
+        type=size_arg,
         default="1GiB",
         metavar="SIZE",
         help="device memory kept free on each GPU beside jobs that declared their memory: jobs whose footprints "
@@ -367,6 +372,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         config.queue_policies = dict(parse_queue_policy(s, args.aging) for s in args.policy)
     except ValueError as exc:
         raise SystemExit(f"timesliced: --policy: {exc}") from None
+    apply_groups(config, args)  # the config file's [groups.NAME] tables, under the flags
     if args.lease < 0 or args.recovery_grace < 0:
         raise SystemExit("timesliced: --lease and --recovery-grace must be >= 0 seconds")
     if args.web is None:

@@ -112,6 +112,9 @@ class DaemonConfig:
     slice_policies: dict[str, SlicePolicy] = field(default_factory=dict)
     # group -> who of its waiters goes next ("*": every other group; default fifo)
     queue_policies: dict[str, QueuePolicy] = field(default_factory=dict)
+    # group -> its GPUs on this node, declared in the config file ([groups.NAME] gpus): a registration in
+    # the group gets them, and one that names other GPUs is refused (core.registry.declared_gpus)
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
     lease: float = 30.0  # a client connection silent this long is closed (clients send heartbeats); 0: never
     # Host memory for parked state (daemon/host_memory.py): a budget for all of it on this node (None: what
     # the host and its cgroups allow, less the margin), the margin (None: 5% of the host's memory, 512 MiB

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from timesliced.version import __version__
+
 from ..helpers.processes import REPO
 
 pytestmark = pytest.mark.slow  # the quick loop (-m "not slow") leaves these out
@@ -42,6 +44,9 @@ def test_the_wheel_serves_every_page_and_asset(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         z.extractall(tmp_path / "site")
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        version = next(line for line in z.read(metadata).decode().splitlines() if line.startswith("Version: "))
+    assert version == f"Version: {__version__}", "the wheel's version comes from timesliced/version.py"
     templates = {p.name for p in (REPO / "web").glob("*.html")}
     assets = {p.name for p in (REPO / "static").iterdir() if p.suffix in {".js", ".css", ".svg"}}
     assert templates and assets

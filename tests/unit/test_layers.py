@@ -31,7 +31,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "cluster": ("cluster",),
     "observation": ("telemetry", "metrics", "dashboard"),
     "daemon": ("daemon", "config"),
-    "apps": ("cli", "bench", "__main__"),
+    "apps": ("cli", "bench", "__main__", "docs_reference"),
 }
 # layer -> the layers it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {

@@ -713,14 +713,14 @@ def test_memory_never_parks_holders_moving_or_faulted_jobs(harness: Callable[...
     err = h.fails(MemoryRequested(z, 99, 0, n), errors.OutOfMemory)
     assert err.details == {"gpu": 0}
     message = str(err)
-    assert f"GPU 0: cannot allocate {n} bytes for job 'Z': 30 of 100 bytes free" in message
+    assert f"GPU 0: cannot allocate {n} B for job 'Z': 30 B of 100 B free" in message
     expected = {"holder": "X (70 B, holding)", "moving": "X (70 B, parking)", "faulted": "X (70 B, resident)"}[blocker]
     assert expected in message
 
 
 def test_memory_larger_than_the_gpu(h: Harness) -> None:
     a = holding(h, "A")
-    err = h.fails(MemoryRequested(a, 99, 0, 101), errors.OutOfMemory, "cannot allocate 101 bytes")
+    err = h.fails(MemoryRequested(a, 99, 0, 101), errors.OutOfMemory, "cannot allocate 101 B ")
     assert "also on it" not in str(err)
 
 

@@ -74,6 +74,7 @@ from timesliced.core.location import Location
 from timesliced.core.model import AUTO, Refuse
 from timesliced.core.scheduler import Scheduler
 from timesliced.core.slices import SlicePolicy
+from timesliced.util.parse import exact_size
 
 from ..helpers.harness import Fault, Faults, core_state
 
@@ -365,7 +366,7 @@ class Run:
         if expect is None:
             self.allocs[(sid, rid)] = job
         elif isinstance(exc, errors.OutOfMemory):
-            assert f"GPU {gpu}: cannot allocate {nbytes} bytes for job {job!r}" in str(exc)
+            assert f"GPU {gpu}: cannot allocate {exact_size(nbytes)} for job {job!r}" in str(exc)
 
     def free(self) -> None:
         owners = [(j.name, gpu, n) for j in self.s.jobs.values() for gpu, n in j.footprint.items() if n]

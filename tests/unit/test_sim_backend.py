@@ -66,7 +66,8 @@ def test_out_of_memory_says_requested_free_and_capacity(sims: Sims) -> None:
     with pytest.raises(errors.OutOfMemory) as caught:
         b.alloc("b", 0, 3 * PAGE)
     message = str(caught.value)
-    assert str(3 * PAGE) in message and str(2 * PAGE) in message and str(32 * PAGE) in message
+    # in human units, with the exact request: 3, 2 and 32 pages of 64 KiB
+    assert "cannot allocate 192.0 KiB (196608 bytes)" in message and "128.0 KiB of 2.0 MiB free" in message
     assert caught.value.details["free"] == 2 * PAGE
     assert b.free_bytes(0) == 2 * PAGE and b.job_state("b") == "unknown"
     b.alloc("b", 0, 2 * PAGE)  # exactly what is left still fits
@@ -350,7 +351,7 @@ def test_failed_snapshot_leaves_the_job_resident(sims: Sims, monkeypatch: pytest
     with pytest.raises(errors.InsufficientHostMemory, match="no room for the parked copy of job 'a'") as caught:
         asyncio.run(b.snapshot("a"))
     assert errors.state_intact(caught.value) and caught.value.details == {"job": "a", "needed": 5 * PAGE}
-    assert "bytes free); the job stays resident, whole" in caught.value.message
+    assert " free); the job stays resident, whole" in caught.value.message
     assert b.job_state("a") == "resident" and b.verify("a") == "resident" and r.checksum() == digest
     assert b.free_bytes(0) == 27 * PAGE and not (b.root / "parked" / job_key("a")).exists()
     monkeypatch.undo()
@@ -423,6 +424,8 @@ def test_restart_adopts_state_and_refuses_other_settings(sims: Sims) -> None:
     for bad in ({"capacity": 64 * PAGE}, {"page_size": 2 * PAGE}, {"gpus": 3}):
         with pytest.raises(ValueError, match="same settings"):
             sims.backend(**bad)
+    with pytest.raises(ValueError, match=r"capacity=4\.0 MiB \(4194304 bytes\), page_size=64\.0 KiB \(65536 bytes\)"):
+        sims.backend(capacity=64 * PAGE)  # the sizes it was made with and those asked for, in human units
     b = sims.backend()
     assert b.recovered_jobs() == {"a": ("resident", {1: 3 * PAGE})}
     assert r.read(8) == b"survivor"  # clients keep their mappings across a daemon restart

@@ -53,6 +53,7 @@ from timesliced.sim.layout import (
     parked_dir,
     read_ctl,
 )
+from timesliced.util.parse import exact_size, human_size
 
 # Bytes copied between bandwidth checks and abort checks. Large, so that the per-chunk cost (a system call
 # and the pacer's clock read, some microseconds) stays well under 1% of a chunk's copy time even at the
@@ -312,8 +313,8 @@ class SimBackend:
             if extents is None:
                 free = self._allocators[gpu].free_pages * self.page_size
                 raise errors.OutOfMemory(
-                    f"cannot allocate {nbytes} bytes ({npages * self.page_size} in pages) on gpu {gpu}: "
-                    f"{free} of {self.capacity} bytes free",
+                    f"cannot allocate {exact_size(nbytes)} ({human_size(npages * self.page_size)} in pages) on gpu "
+                    f"{gpu}: {human_size(free)} of {human_size(self.capacity)} free",
                     gpu=gpu,
                     requested=nbytes,
                     free=free,
@@ -545,8 +546,8 @@ class SimBackend:
                     self._allocators[done.gpu].give(done.extents)
                 free = self._allocators[r.gpu].free_pages * self.page_size
                 raise errors.OutOfMemory(
-                    f"cannot restore job {j.name!r}: region {r.region} needs {self.rounded(r.nbytes)} bytes "
-                    f"on gpu {r.gpu}, {free} of {self.capacity} bytes free",
+                    f"cannot restore job {j.name!r}: region {r.region} needs {exact_size(self.rounded(r.nbytes))} "
+                    f"on gpu {r.gpu}, {human_size(free)} of {human_size(self.capacity)} free",
                     gpu=r.gpu,
                     requested=r.nbytes,
                     free=free,
@@ -666,7 +667,7 @@ class SimBackend:
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 needed = sum(r.nbytes for r in j.regions.values())
                 raise errors.InsufficientHostMemory(
-                    f"no room for the parked copy of job {j.name!r} ({needed} bytes) in {self.root / 'parked'} "
+                    f"no room for the parked copy of job {j.name!r} ({exact_size(needed)}) in {self.root / 'parked'} "
                     f"({self._space()}); the job stays resident, whole. Free space there (a bigger tmpfs, fewer "
                     "parked jobs)",
                     job=j.name,
@@ -683,7 +684,7 @@ class SimBackend:
             st = os.statvfs(self.root / "parked")
         except OSError as exc:
             return f"its file system cannot be read: {exc.strerror}"
-        return f"{st.f_bavail * st.f_frsize} of {st.f_blocks * st.f_frsize} bytes free"
+        return f"{human_size(st.f_bavail * st.f_frsize)} of {human_size(st.f_blocks * st.f_frsize)} free"
 
     # --- state and control files -----------------------------------------------------
 
@@ -769,7 +770,7 @@ class SimBackend:
         except OSError as exc:
             nbytes = sum(n for _, n in extents) * self.page_size
             raise errors.InsufficientHostMemory(
-                f"no room in {self.root} for {nbytes} bytes of gpu {gpu}'s simulated device pages "
+                f"no room in {self.root} for {exact_size(nbytes)} of gpu {gpu}'s simulated device pages "
                 f"({os.strerror(exc.errno or 0)}): free space there (a bigger tmpfs, fewer parked jobs)",
                 gpu=gpu,
             ) from None
@@ -827,8 +828,9 @@ class SimBackend:
             if (header.gpus, header.capacity, header.page_size) != (self.gpus, self.capacity, self.page_size):
                 raise ValueError(
                     f"sim root {self.root} holds job state made with gpus={header.gpus}, "
-                    f"capacity={header.capacity}, page_size={header.page_size} ({path.name}); this backend "
-                    f"has gpus={self.gpus}, capacity={self.capacity}, page_size={self.page_size}. "
+                    f"capacity={exact_size(header.capacity)}, page_size={exact_size(header.page_size)} "
+                    f"({path.name}); this backend has gpus={self.gpus}, capacity={exact_size(self.capacity)}, "
+                    f"page_size={exact_size(self.page_size)}. "
                     "Start it with the same settings, or on a fresh root."
                 )
         fresh = [self._open_arena(gpu, keep=bool(found)) for gpu in range(self.gpus)]
@@ -858,8 +860,9 @@ class SimBackend:
             if size != self.capacity:
                 if size and keep:
                     raise ValueError(
-                        f"{path} is {size} bytes but this backend has capacity={self.capacity}; the sim root "
-                        "was made with other settings. Start it with the same settings, or on a fresh root."
+                        f"{path} is {exact_size(size)} but this backend has capacity={exact_size(self.capacity)}; "
+                        "the sim root was made with other settings. Start it with the same settings, or on a fresh "
+                        "root."
                     )
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, self.capacity)
@@ -1063,9 +1066,9 @@ class _Swap:
                 )
                 if pages > room:
                     raise errors.RestoreRefused(
-                        f"cannot swap job {b.name!r} in for {a.name!r}: it needs {pages * self.page} bytes on gpu "
-                        f"{gpu}, which has {room * self.page} free once {a.name!r} is parked; both jobs stay where "
-                        "they are",
+                        f"cannot swap job {b.name!r} in for {a.name!r}: it needs {exact_size(pages * self.page)} on "
+                        f"gpu {gpu}, which has {human_size(room * self.page)} free once {a.name!r} is parked; both "
+                        "jobs stay where they are",
                         gpu=gpu,
                         requested=pages * self.page,
                         free=room * self.page,

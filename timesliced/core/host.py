@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .. import errors
+from ..util.parse import human_size
 from .ids import gpu_slot
 from .location import Location
 from .model import PARK_RETRY_S, Job, Refusal, Refuse, Wait
@@ -168,15 +169,16 @@ class HostLedger:
     ) -> errors.InsufficientHostMemory:
         held, reserved, freeing = accounts
         need = sum(self.size(j, slot) for j in jobs)
-        parks = ", ".join(f"{j.name!r} ({human(self.size(j, slot))})" for j in jobs)
+        parks = ", ".join(f"{j.name!r} ({human_size(self.size(j, slot))})" for j in jobs)
         where = f"node {slot}" if pool is None else f"{pool} on node {slot}"
         source = node.source.get(pool or "host", "")
-        taken = f"parked state there takes {human(held)}" + (f", parks under way {human(reserved)}" if reserved else "")
+        under_way = f", parks under way {human_size(reserved)}" if reserved else ""
+        taken = f"parked state there takes {human_size(held)}{under_way}"
         free = max(0, budget - held - reserved)
-        limit = f"; --host-memory-limit {human(node.limit)}" if pool is None and node.limit is not None else ""
+        limit = f"; --host-memory-limit {human_size(node.limit)}" if pool is None and node.limit is not None else ""
         message = (
-            f"insufficient host memory to park {parks} for job {incoming!r} on {where}: it needs {human(need)}, "
-            f"{taken} of a budget of {human(budget)} ({source or 'as last read'}{limit}), so {human(free)} "
+            f"insufficient host memory to park {parks} for job {incoming!r} on {where}: it needs {human_size(need)}, "
+            f"{taken} of a budget of {human_size(budget)} ({source or 'as last read'}{limit}), so {human_size(free)} "
             "is free. Free host memory there, raise --host-memory-limit, or try again once parked jobs "
             "have been restored or have exited"
         )
@@ -272,15 +274,3 @@ def refused(job: Job, now: float) -> Refusal | None:
     """``job``'s refusal while it stands."""
     r = job.refusal
     return r if r is not None and now < r.until else None
-
-
-def human(n: int) -> str:
-    """A size for people: ``512 B``, ``1.5 MiB``, ``12.0 GiB``."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")

@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .. import errors
+from ..util.parse import exact_size, human_size
 from .events import AllocateRegion, Effect, FailRequest, MemoryReleased, SessionId, Ticket
-from .host import HostLedger, human, refused
+from .host import HostLedger, refused
 from .location import Location
 from .model import PARK_RETRY_S, Job, Refuse, Wait
 from .moves import Stream
@@ -209,7 +210,7 @@ class MemoryLedger:
                 held = other.footprint.get(gpu, 0)
                 if other is job or not held or not other.location.occupies_device:
                     continue
-                what = f"job {other.name!r} keeps {human(held)} on GPU {gpu}"
+                what = f"job {other.name!r} keeps {human_size(held)} on GPU {gpu}"
                 refusal = refused(other, now)
                 if registry.holds(other) or other.location.moving or other.exiting or other.name in incoming:
                     moving.add(other.name)
@@ -363,13 +364,13 @@ class MemoryLedger:
     def oom_message(self, gpu: int, nbytes: int, job: str) -> str:
         cap = self.capacities[gpu]
         others = sorted(
-            f"{j.name} ({j.footprint[gpu]} B, {'holding' if self._registry.holds(j) else j.location.value})"
+            f"{j.name} ({human_size(j.footprint[gpu])}, {'holding' if self._registry.holds(j) else j.location.value})"
             for j in self._registry.jobs.values()
             if j.name != job and j.location.occupies_device and j.footprint.get(gpu)
         )
         return (
-            f"GPU {gpu}: cannot allocate {nbytes} bytes for job {job!r}: {cap - self.used(gpu)} of {cap} bytes free"
-            + (f"; also on it: {', '.join(others)}" if others else "")
+            f"GPU {gpu}: cannot allocate {exact_size(nbytes)} for job {job!r}: {human_size(cap - self.used(gpu))} of "
+            f"{human_size(cap)} free" + (f"; also on it: {', '.join(others)}" if others else "")
         )
 
     def measured(self, job: Job, gpus: dict[int, int]) -> None:

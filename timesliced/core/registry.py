@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import errors
+from ..util.parse import exact_size
 from .events import JobRegistered, SessionId
 from .ids import gpu_slot
 from .model import Group, Job
@@ -131,7 +132,8 @@ class Registry:
                 )
             if n < 0 or n > self.capacities[gpu]:
                 raise errors.BadRequest(
-                    f"job {name!r} declares {n} bytes on GPU {gpu}, which has {self.capacities[gpu]}; "
+                    f"job {name!r} declares {exact_size(n)} on GPU {gpu}, which has "
+                    f"{exact_size(self.capacities[gpu])}; "
                     "declare at most the GPU's memory"
                 )
         if job is None:
@@ -144,8 +146,8 @@ class Registry:
         clash = sorted(g for g, n in memory.items() if g in job.declared and job.declared[g] != n)
         if clash:
             raise errors.BadRequest(
-                f"job {name!r} already declared {job.declared[clash[0]]} bytes on GPU {clash[0]}, not "
-                f"{memory[clash[0]]}; register every connection of a job with the same memory"
+                f"job {name!r} already declared {exact_size(job.declared[clash[0]])} on GPU {clash[0]}, not "
+                f"{exact_size(memory[clash[0]])}; register every connection of a job with the same memory"
             )
 
     def add_group(self, name: str, gpus: tuple[int, ...], now: float) -> Group:
@@ -218,6 +220,26 @@ class Registry:
         if any(j.group == name for j in self.jobs.values()):
             raise ValueError(f"group {name!r} still has jobs")
         return self._journal.delete(self.groups, name)
+
+
+def declared_gpus(
+    declared: Mapping[str, tuple[int, ...]], group: str, asked: tuple[int, ...] | None
+) -> tuple[int, ...] | None:
+    """The GPUs a registration in ``group`` asks for on its node, once the node's declared groups are applied.
+
+    ``declared``: group -> its GPUs on this node (the daemon's config file). A declared group gives its
+    GPUs to a registration that names none; one that names others is refused with ``GroupMismatch``. A
+    group that is not declared keeps what was asked (its first registration fixes its GPUs).
+    """
+    gpus = declared.get(group)
+    if gpus is None:
+        return asked
+    if asked is not None and tuple(sorted(set(asked))) != tuple(sorted(gpus)):
+        raise errors.GroupMismatch(
+            f"group {group!r} is declared on GPUs {sorted(gpus)} by the daemon's config file, not "
+            f"{sorted(set(asked))}; ask for those GPUs, or for none (a client that names none gets the group's)"
+        )
+    return tuple(sorted(gpus))
 
 
 def declared_memory(ev: JobRegistered, gpus: tuple[int, ...]) -> dict[int, int] | None:

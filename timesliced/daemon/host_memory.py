@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cluster.asks import HostRead
-from ..core.host import human
+from ..util.parse import human_size
 from ..wire import status as schema
 
 MiB = 1 << 20
@@ -141,7 +141,7 @@ class HostMemory:
         if tmpfs is not None:
             pools[f"tmpfs:{tmpfs['path']}"] = tmpfs["free"]
             source[f"tmpfs:{tmpfs['path']}"] = (
-                f"tmpfs {tmpfs['path']}: {human(tmpfs['free'])} of {human(tmpfs['size'])} free"
+                f"tmpfs {tmpfs['path']}: {human_size(tmpfs['free'])} of {human_size(tmpfs['size'])} free"
             )
         members: dict[str, tuple[str, ...]] = {}
         sizes: dict[str, int] = {}
@@ -223,9 +223,9 @@ class HostMemory:
         return self.root / absolute.lstrip("/")
 
     def _host_figures(self, available: int | None, margin: int) -> str:
-        shown = human(available) if available is not None else "unknown"
-        text = f"MemAvailable {shown} less a margin of {human(margin)}"
-        return text + (f"; --host-memory-limit {human(self.limit)}" if self.limit is not None else "")
+        shown = human_size(available) if available is not None else "unknown"
+        text = f"MemAvailable {shown} less a margin of {human_size(margin)}"
+        return text + (f"; --host-memory-limit {human_size(self.limit)}" if self.limit is not None else "")
 
     def _meminfo(self, problems: list[str]) -> tuple[int | None, int | None]:
         try:
@@ -311,7 +311,7 @@ class HostMemory:
             in_use = here_figures[1] if here_figures is not None else 0
             return Cgroup(path, version, None, in_use, None, f"cgroup {path}: no memory limit")
         room, limit, in_use = tightest
-        text = f"cgroup {path}: {human(in_use)} of its {human(limit)} limit in use, less a margin"
+        text = f"cgroup {path}: {human_size(in_use)} of its {human_size(limit)} limit in use, less a margin"
         return Cgroup(path, version, limit, in_use, max(0, room), text)
 
     def _tmpfs(self, mounts: list[tuple[str, str, str, set[str]]], problems: list[str]) -> schema.Tmpfs | None:

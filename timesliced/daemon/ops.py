@@ -8,13 +8,14 @@ memory, offload answers, ``status`` and ``ping`` are answered on this node.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import errors
 from ..cluster.asks import Acquire, Alloc, Cancel, Register, Release, Request
 from ..cluster.node import ClusterNode
 from ..core.history import History
+from ..core.registry import declared_gpus
 from ..wire.messages import (
     arg_gang,
     arg_int,
@@ -53,10 +54,13 @@ class ClientOps:
         status: Callable[[], Any],
         clock: Callable[[], float],
         park_every_handoff: bool = False,
+        groups: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         """``forward`` hands a request to the cluster core; ``freed(job, gpu, nbytes)`` tells it memory was freed;
-        ``park_every_handoff``: register every job as one that has its GPUs to itself (no co-residency)."""
+        ``park_every_handoff``: register every job as one that has its GPUs to itself (no co-residency);
+        ``groups``: group -> its GPUs on this node, as the config file declares them."""
         self.park_every_handoff = park_every_handoff
+        self.groups = dict(groups or {})
         self.cluster = cluster
         self.parking = parking
         self.jobs = jobs
@@ -76,9 +80,10 @@ class ClientOps:
 
     def register(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         pids = checked_pids(arg_int_list(args, "pids") or [], conn.peer)
-        gpus = arg_int_list(args, "gpus", max_len=64)
         job = arg_str(args, "job")
         group = arg_str(args, "group")
+        asked = arg_int_list(args, "gpus", max_len=64)
+        gpus = declared_gpus(self.groups, group, None if asked is None else tuple(asked))  # refuses other GPUs
         memory, memory_each = arg_memory(args)
         priority, weight = arg_priority(args), arg_weight(args)
         spec = ParkSpec.from_wire(args.get("park"), self.parking.default)

@@ -37,6 +37,7 @@ from ..util.processes import pid_alive
 from ..version import __version__
 from ..wire.park import ENGINES, FREEZING
 from ..wire.status import Status
+from .configfile import check_declared_gpus
 from .crash import CrashPoints
 from .dashboard_source import DaemonView
 from .directives import Directives
@@ -72,6 +73,8 @@ class Daemon:
         self._conns: dict[int, Connection] = {}  # connections that sent a request, by id
         self.directives = Directives(self._connections_of)
         self.parking = (parking or functools.partial(open_parking, config))(self.directives.direct)
+        # A group declared on a GPU this node lacks is the config file's error, told at start, not at a register.
+        check_declared_gpus(config.groups, [d.index for d in self.parking.devices])
         members = tuple(config.cluster.members) if config.cluster else (config.node,)
         self.cluster = ClusterNode(
             config.node,
@@ -158,6 +161,7 @@ class Daemon:
             status=self.status,
             clock=self._now,
             park_every_handoff=config.park_every_handoff,
+            groups=config.groups,
         )
         self._device_peaks: dict[str, dict[int, int]] = {}  # job -> the most device memory last told the scheduler
         self._moves_running: dict[tuple[int, int, int], asyncio.Event] = {}  # key -> set once it ended

@@ -163,7 +163,7 @@ class ClientServer:
             path.unlink()
         loop = asyncio.get_running_loop()
         server = await loop.create_unix_server(lambda: _Wire(self, "unix"), path=str(path), backlog=BACKLOG)
-        os.chmod(path, 0o660)  # the owner and its group; see the README on sharing a node
+        os.chmod(path, 0o660)  # the owner and its group; see docs/guide/security.md
         self._servers.append(server)
         self.addresses.append(str(path))
 

@@ -111,3 +111,39 @@ def owner_uid(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def namespace_pids(pid: int) -> tuple[int, ...] | None:
+    """``pid``'s numbers in the nested PID namespaces it is in, outermost (this ``/proc``'s) first.
+
+    From the ``NSpid`` line of ``/proc/PID/status`` (proc(5), Linux 4.1 and later): one number for
+    a process of this ``/proc``'s PID namespace, more for one in a namespace nested below it (a
+    container's), whose last number is what the process itself sees as its PID. None if the
+    process is gone, or the kernel has no ``NSpid``.
+    """
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return tuple(int(n) for n in line.split()[1:]) or None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def pids_as_seen_inside(root: int) -> dict[int, int]:
+    """``root`` and its live descendants that share its PID namespace, by the PID that namespace gives them.
+
+    The values are the PIDs of this ``/proc``. A descendant in a namespace nested further down
+    (its ``NSpid`` longer than ``root``'s) is left out: its innermost number is another
+    namespace's.
+    """
+    own = namespace_pids(root)
+    if own is None:
+        return {}
+    found = {own[-1]: root}
+    for pid in descendants([root]):
+        chain = namespace_pids(pid)
+        if chain is not None and len(chain) == len(own):
+            found[chain[-1]] = pid
+    return found

@@ -14,6 +14,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 
 from ..errors import FrameTooLarge, MalformedMessage
+from ..util.parse import exact_size
 
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 1 << 20  # 1 MiB: requests are small; regions travel as metadata only
@@ -27,7 +28,7 @@ def encode(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) -> bytes
     """One frame holding ``message``; raises ``FrameTooLarge`` past ``max_frame``."""
     body: bytes = msgpack.packb(message, use_bin_type=True)
     if len(body) > max_frame:
-        raise FrameTooLarge(f"frame of {len(body)} bytes exceeds the limit of {max_frame} bytes")
+        raise FrameTooLarge(f"frame of {exact_size(len(body))} exceeds the limit of {exact_size(max_frame)}")
     return HEADER.pack(len(body)) + body
 
 
@@ -106,7 +107,8 @@ class FrameDecoder:
             (size,) = HEADER.unpack_from(self._buf)
             if size > self.max_frame:
                 self._broken = True
-                return out, FrameTooLarge(f"frame of {size} bytes exceeds the limit of {self.max_frame} bytes")
+                limit = exact_size(self.max_frame)
+                return out, FrameTooLarge(f"frame of {exact_size(size)} exceeds the limit of {limit}")
             end = HEADER.size + size
             if len(self._buf) < end:
                 break

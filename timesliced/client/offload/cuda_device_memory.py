@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ...errors import BackendError, BackendUnavailable, UnknownDevice
+from ...util.parse import exact_size
 from ..gpus import GpuNumbering, discover
 from .address_space import AddressSpace
 from .device_memory import DEFAULT_CHUNK, HostBuffer, plan_chunks
@@ -267,7 +268,9 @@ class CudaDeviceMemory:
 
     def _copy(self, call: str, host: HostBuffer, va: int, nbytes: int) -> None:
         if nbytes < 0 or nbytes > host.nbytes:
-            raise BackendError(f"a copy of {nbytes} bytes does not fit a host buffer of {host.nbytes}")
+            raise BackendError(
+                f"a copy of {exact_size(nbytes)} does not fit a host buffer of {exact_size(host.nbytes)}"
+            )
         with self._lock:
             span = self._space.resolve(va, nbytes)
             with self._on(span.gpu):

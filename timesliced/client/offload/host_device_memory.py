@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...errors import BackendError, UnknownDevice
+from ...util.parse import exact_size, human_size
 from ..gpus import GpuNumbering
 from .address_space import AddressSpace
 from .device_memory import DEFAULT_GRANULARITY, HostBuffer
@@ -106,8 +107,8 @@ class HostDeviceMemory:
             gpu = res.gpu if res is not None else -1
             if self.capacity is not None and self._space.mapped_bytes(gpu) + nbytes > self.capacity:
                 raise BackendError(
-                    f"out of memory on GPU {gpu}: {nbytes} bytes requested, "
-                    f"{self.capacity - self._space.mapped_bytes(gpu)} free",
+                    f"out of memory on GPU {gpu}: {exact_size(nbytes)} requested, "
+                    f"{human_size(self.capacity - self._space.mapped_bytes(gpu))} free",
                     call="map",
                     gpu=gpu,
                 )
@@ -188,7 +189,9 @@ class HostDeviceMemory:
 
     def _queue_copy(self, copy: _Copy) -> None:
         if copy.nbytes < 0 or copy.nbytes > copy.host.nbytes:
-            raise BackendError(f"a copy of {copy.nbytes} bytes does not fit a host buffer of {copy.host.nbytes}")
+            raise BackendError(
+                f"a copy of {exact_size(copy.nbytes)} does not fit a host buffer of {exact_size(copy.host.nbytes)}"
+            )
         with self._lock:
             self._space.resolve(copy.va, copy.nbytes)  # like the driver, reject a bad address when queued
             self._queue.append(copy)
