@@ -70,26 +70,11 @@ def test_every_other_option_of_the_unit_is_a_serve_option() -> None:
     assert [o for o in options_of(exec_start()[2:]) if o != "--config" and o not in known] == []
 
 
-@pytest.mark.xfail(
-    "--config" not in serve_options(),
-    reason="`timesliced serve --config FILE` comes with the config file; until then the unit's option is unknown",
-    strict=True,
-)
 def test_the_config_option_is_a_serve_option() -> None:
     assert "--config" in serve_options()
 
 
-def commands() -> set[str]:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return set(sub.choices)
-
-
 @pytest.mark.slow
-@pytest.mark.xfail(
-    "config" not in commands(),
-    reason="`timesliced config check` comes with the config file",
-    strict=True,
-)
 @pytest.mark.parametrize("commented", [False, True], ids=["as-shipped", "commented-keys-too"])
 def test_the_example_passes_config_check(tmp_path: Path, commented: bool) -> None:
     """``timesliced config check`` accepts the example, and with its commented-out settings turned on."""
