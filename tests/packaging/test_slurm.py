@@ -265,6 +265,28 @@ def test_the_batch_script_starts_a_daemon_per_node_waits_runs_the_jobs_and_stops
 
 
 @pytest.mark.slow
+def test_jobs_from_a_file_can_span_every_node(allocation: Allocation) -> None:
+    """$TIMESLICED_JOBS replaces launch_jobs; member_everywhere puts a member of a job on each node."""
+    jobs = allocation.submit / "jobs.sh"
+    jobs.write_text(
+        "launch_jobs() {\n"
+        "\tmember_everywhere rl shared python train_rl.py\n"
+        "\tmember_everywhere sft shared python train_sft.py\n"
+        "}\n"
+    )
+    result = allocation.run(TIMESLICED_JOBS=str(jobs))
+    assert result.returncode == 0, result.stdout + result.stderr
+    daemons, wait, members = by_role(steps(allocation.events()))
+    assert sorted(m["command"][-4:-2] for m in members) == [["rl", "shared"], ["sft", "shared"]]
+    assert all([t["node"] for t in m["tasks"]] == NODES and m["started"] > wait["ended"] for m in members)
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["job"] for r in reports) == ["rl", "rl", "sft", "sft"]  # a process of each on each node
+    fences = {job: {f for r in reports if r["job"] == job for f in r["fences"]} for job in ("rl", "sft")}
+    assert fences["rl"] and fences["sft"] and not fences["rl"] & fences["sft"]  # never the same turn
+    assert [name for _, name in daemons["signals"]] == ["SIGTERM"] and daemons["status"] == 0
+
+
+@pytest.mark.slow
 def test_a_daemon_that_cannot_start_fails_the_script_at_once(allocation: Allocation) -> None:
     result = allocation.run(TIMESLICED_SERVE_ARGS="--backend sim --gpus 0")
     assert result.returncode == 1, result.stdout + result.stderr
