@@ -39,20 +39,12 @@ SCRIPTS = sorted([*SLURM.glob("*.sh"), *SLURM.glob("*.sbatch")])
 JOB_ID = "4242"
 NODES = ["127.0.0.1", "127.0.0.2"]
 
-# `timesliced` on the fake nodes: this checkout's CLI. Until the `run` command is part of it, a
-# stand-in runs the member's command as `timesliced run --job J --group G --address A -- CMD...`
-# would, with the daemon's socket in its environment (the tiny jobs name their job and group
-# themselves, so they need nothing else from it).
+# `timesliced` on the fake nodes: this checkout's CLI (the daemons and `timesliced run` alike).
 SHIM = """\
 #!{python}
-import os, sys
+import sys
 sys.path.insert(0, {repo!r})
-from timesliced.cli import build_parser, main
-commands = next(a for a in build_parser()._actions if a.dest == "command").choices
-if sys.argv[1:2] == ["run"] and "run" not in commands:
-    args = sys.argv[2:]
-    os.environ["TIMESLICED_SOCKET"] = args[args.index("--address") + 1]
-    os.execvp(args[args.index("--") + 1], args[args.index("--") + 1 :])
+from timesliced.cli import main
 raise SystemExit(main())
 """
 
