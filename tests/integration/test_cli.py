@@ -242,3 +242,12 @@ def test_serve_with_an_unavailable_backend_exits_with_the_reason(tmp_path: Path)
     result = run_python(code, *args, timeout=60)
     assert result.returncode == 2
     assert result.stderr.startswith("timesliced: cuda-checkpoint cannot run here: "), result.stderr
+
+
+def test_serve_on_a_socket_path_too_long_for_its_address_says_so_in_one_line(tmp_path: Path) -> None:
+    sock = tmp_path / ("d" * 120) / "timesliced.sock"
+    result = cli("serve", "--web", "off", "--socket", str(sock), "--state-dir", str(tmp_path / "s"), timeout=60)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("timesliced: the socket path ") and last.endswith("give a shorter --socket or --state-dir")
+    assert "Traceback" not in result.stderr, result.stderr

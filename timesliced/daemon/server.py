@@ -30,6 +30,7 @@ from ..wire.status import Counters
 
 log = logging.getLogger(__name__)
 
+UNIX_PATH_MAX = 107  # sockaddr_un's sun_path is 108 bytes on Linux, the last one the terminating NUL
 BACKLOG = 1024  # bursts of clients starting together (a whole job's ranks) must not see EAGAIN
 
 
@@ -156,6 +157,11 @@ class ClientServer:
 
     async def start_unix(self, path: Path) -> None:
         """Bind the Unix socket (replacing a stale one) and start accepting."""
+        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise errors.TimeslicedError(
+                f"the socket path {path} is {len(os.fsencode(path))} bytes, longer than the {UNIX_PATH_MAX} a Unix "
+                "socket's address holds: give a shorter --socket or --state-dir"
+            )
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         if path.exists() or path.is_symlink():
             if await _socket_answers(path):
