@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -287,10 +288,13 @@ def test_pids_of_another_user_are_refused() -> None:
     me = os.getpid()
     assert checked_pids([me], Peer("unix", pid=me, uid=os.getuid())) == {me}
     stranger = Peer("unix", pid=me, uid=os.getuid() + 4242)
-    parent = os.getppid()
-    with pytest.raises(errors.PermissionDenied, match="another user"):
-        checked_pids([parent], stranger)
-    assert checked_pids([me, parent], Peer("unix", pid=me, uid=0)) == {me, parent}  # root may name any process
+    with subprocess.Popen(["sleep", "30"]) as child:  # a process of ours, so another user's to the stranger
+        try:
+            with pytest.raises(errors.PermissionDenied, match="another user"):
+                checked_pids([child.pid], stranger)
+            assert checked_pids([me, child.pid], Peer("unix", pid=me, uid=0)) == {me, child.pid}  # root: any process
+        finally:
+            child.kill()
     with pytest.raises(errors.BadRequest, match="not a process id"):
         checked_pids([1], Peer("unix", pid=me, uid=0))  # init is always alive: a job with it would never end
     assert checked_pids([me], Peer("tcp")) == set()  # over TCP, PIDs would be another machine's
