@@ -118,6 +118,19 @@ def test_the_next_daemon_gives_back_state_that_no_journal_owns(served: Served) -
         a.sim_alloc(32 * MiB).close()  # the whole GPU: b's resident pages were given back at the start
 
 
+@pytest.mark.slow
+def test_a_journal_that_cannot_be_read_keeps_the_state_it_may_own(served: Served) -> None:
+    leave_state(served)
+    journals = list(served.state.glob("journal.*"))
+    assert journals
+    for journal in journals:
+        journal.write_bytes(b"written by some other release")  # there, but not readable by this one
+    served.start()
+    # a's parked copy may be its only one: nothing is reclaimed while the journal is there
+    assert len(list((served.sim / "jobs").glob("*.ctl"))) == 2
+    assert len(list((served.sim / "parked").glob("*/*.bin"))) == 1
+
+
 def test_clean_leaves_what_is_not_the_simulated_gpus(tmp_path: Path) -> None:
     root = tmp_path / "sim"
     (root / "jobs").mkdir(parents=True)

@@ -49,6 +49,18 @@ class Recovery:
         picture = self.journal.load()
         sim = self.parking.sim
         recovered = sim.recovered_jobs() if sim is not None else {}
+        if picture is None and any(path.exists() for path in self.journal.paths):
+            # A journal that is there but cannot be read (another release's, damaged, unreadable): what
+            # the simulated GPU holds may be parked jobs' only copy, so it is kept for a daemon that can.
+            for job, (state, _) in recovered.items():
+                log.warning(
+                    "job %r: its simulated state (%s) is kept, but the journal in %s cannot be read; "
+                    "run the release that wrote it, or remove the state with `timesliced sim clean`",
+                    job,
+                    state,
+                    self.config.state_dir,
+                )
+            return
         if picture is None:
             # No journal (a first start, or a state dir that was removed while the sim's tmpfs was not):
             # no job can claim what the simulated GPU holds, so it is given back rather than held forever.
