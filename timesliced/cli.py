@@ -377,7 +377,10 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         config.queue_policies = dict(parse_queue_policy(s, args.aging) for s in args.policy)
     except ValueError as exc:
         raise SystemExit(f"timesliced: --policy: {exc}") from None
-    apply_groups(config, args)  # the config file's [groups.NAME] tables, under the flags
+    try:
+        apply_groups(config, args)  # the config file's [groups.NAME] tables, under the flags
+    except ValueError as exc:  # a flag the file's groups take (--aging, --preempt-grace) out of range
+        raise SystemExit(f"timesliced: {exc}") from None
     if args.lease < 0 or args.recovery_grace < 0:
         raise SystemExit("timesliced: --lease and --recovery-grace must be >= 0 seconds")
     if args.web is None:

@@ -45,8 +45,15 @@ class Peer:
 
     @property
     def client(self) -> str:
-        """Who counts as one client for the connection limit: a process, or a remote host."""
+        """Who counts as one client for the connection limit: a process, or a remote host.
+
+        A process in a PID namespace the daemon cannot see (a job pod beside the daemon's) has no PID
+        here (the kernel says 0): each such connection counts alone, so that one pod's connections never
+        use up the others'; ``max_connections`` still bounds them all.
+        """
         if self.transport == "unix":
+            if not self.pid:
+                return f"a process of another PID namespace (connection {id(self):x})"
             return f"process {self.pid}"
         return f"host {self.address.rpartition(':')[0] or '?'}"
 
