@@ -261,9 +261,9 @@ def test_a_file_s_groups_reach_the_daemon_config_under_the_flags(tmp_path: Path)
 def test_a_flag_out_of_range_for_the_file_s_groups_is_a_one_line_refusal(tmp_path: Path) -> None:
     path = tmp_path / "ts.toml"
     path.write_text('[groups.rl]\npolicy = "fair"\n[groups.sft]\nmax_slice = 60\n', encoding="utf-8")
-    with pytest.raises(SystemExit, match="^timesliced: a queue policy's aging must be > 0"):
+    with pytest.raises(SystemExit, match=r"^timesliced: a queue policy's aging must be > 0"):
         config_from_args(parsed(["serve", "--config", str(path), "--aging", "0"]))
-    with pytest.raises(SystemExit, match="^timesliced: .*grace"):
+    with pytest.raises(SystemExit, match=r"^timesliced: .*grace"):
         config_from_args(parsed(["serve", "--config", str(path), "--preempt-grace", "-1"]))
 
 
