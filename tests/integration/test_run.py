@@ -368,3 +368,38 @@ def test_an_offload_job_is_parked_by_its_commands_executor_as_one_job(
         b.release()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 128 + signal.SIGTERM
+
+
+def blocked_signals(pid: int) -> int:
+    """The signals some thread of ``pid`` blocks (one in ``sigtimedwait`` shows its waited ones unblocked)."""
+    mask = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            rows = status.read_text().splitlines()
+        except OSError:  # the thread ended meanwhile
+            continue
+        mask |= next((int(row.split()[1], 16) for row in rows if row.startswith("SigBlk:")), 0)
+    return mask
+
+
+@pytest.mark.slow
+def test_a_signal_while_waiting_for_a_restarting_daemon_ends_the_launch_at_once(
+    tmp_path: Path, launched: list[subprocess.Popen[str]]
+) -> None:
+    import socket
+
+    stale = tmp_path / "stale.sock"  # a socket file with nothing listening: a daemon that crashed
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale))
+    marker = tmp_path / "ran"
+    proc = start(launcher(str(stale), "touch", str(marker)))
+    launched.append(proc)
+    term = 1 << (signal.SIGTERM - 1)
+    # From here on the launcher takes SIGTERM itself (it is waiting for the daemon, up to a minute).
+    wait_for(lambda: blocked_signals(proc.pid) & term, timeout=30, interval=0.02)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 128 + signal.SIGTERM
+    assert proc.stderr is not None
+    said = proc.stderr.read()
+    assert said == "timesliced run: SIGTERM while connecting to the daemon; nothing was started\n", said
+    assert not marker.exists()

@@ -25,7 +25,8 @@ def info(signo: int, code: int) -> signal.struct_siginfo:
         (signal.SIGINT, SI_USER, True, False),  # kill -INT <launcher>: for the launcher alone
         (signal.SIGINT, SI_KERNEL, False, False),  # the command left our group: the terminal missed it
         (signal.SIGTERM, SI_KERNEL, True, False),
-        (signal.SIGHUP, SI_KERNEL, True, False),
+        (signal.SIGHUP, SI_KERNEL, True, True),  # the terminal hung up: its group got it
+        (signal.SIGHUP, SI_USER, True, False),
     ],
 )
 def test_only_the_terminals_own_signals_to_our_group_are_not_forwarded(

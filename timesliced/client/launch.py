@@ -17,10 +17,11 @@ Signals: SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2 and SIGQUIT are forwarded to 
 launcher blocks them (and SIGCHLD) in every thread before it starts any, and takes them one at a
 time with ``sigtimedwait``, so none is lost or handled twice and the command's exit is seen as its
 SIGCHLD. At a terminal, in its foreground, the command stays in the launcher's process group, so job
-control (Ctrl-Z) and reading the terminal (a debugger's prompt) work for it; a SIGINT or SIGQUIT that
-the kernel sent (``si_code`` SI_KERNEL, as the terminal driver's are) to that group reached the
-command already and is not sent a second time. Anywhere else the command leads a process group of
-its own.
+control (Ctrl-Z) and reading the terminal (a debugger's prompt) work for it; a SIGINT, SIGQUIT or
+SIGHUP (a hangup) that the kernel sent (``si_code`` SI_KERNEL, as the terminal driver's are) to that
+group reached the command already and is not sent a second time. Anywhere else the command leads a
+process group of its own. A SIGINT, SIGTERM, SIGHUP or SIGQUIT while the launcher is still connecting
+(a daemon that is restarting is waited for) ends the launch before anything was started.
 
 Clean-up: the command's exit status is returned (128 + N for a signal N, as shells do) after the
 launcher's connection is closed. A launcher killed outright (SIGKILL, the OOM killer) takes its
@@ -45,8 +46,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TextIO
 
 from .. import errors
@@ -62,13 +64,16 @@ from ..env import (
 )
 from ..util.parse import parse_size
 from ..wire.park import METHODS
-from .protocol import VISIBLE, Address, resolve_address
+from .protocol import VISIBLE, resolve_address
 from .sync import Client
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
-# The terminal sends these to its whole foreground process group (the command included).
-KEYBOARD = (signal.SIGINT, signal.SIGQUIT)
+# The terminal sends these to its whole foreground process group (the command included): Ctrl-C,
+# Ctrl-\ and, when it hangs up (an SSH session closed), SIGHUP.
+KEYBOARD = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
 WAITED = (*FORWARDED, signal.SIGCHLD)
+# What ends a launch that has not started its command yet (SIGUSR1/2 have nobody to go to then).
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # siginfo's si_code for a signal the kernel itself sent, as the terminal driver does
 # (include/uapi/asm-generic/siginfo.h: SI_USER 0, SI_KERNEL 0x80).
 SI_KERNEL = 0x80
@@ -118,7 +123,6 @@ class Launch:
     gpus: str | None = None
     priority: int | None = None
     weight: float | None = None
-    extra_env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,6 @@ class Prepared:
     """A launch checked: the program to run, the client's arguments and the command's environment."""
 
     argv: tuple[str, ...]
-    address: Address
     memory: int | None
     gpus: list[int] | str | None
     env: dict[str, str]
@@ -166,7 +169,6 @@ def prepare(launch: Launch, environ: Mapping[str, str] = os.environ) -> Prepared
     if os.path.isdir(found) or not os.access(found, os.X_OK):
         raise LaunchRefused(f"{program}: permission denied (it is not an executable file)", NOT_EXECUTABLE)
     env = dict(environ)
-    env.update(launch.extra_env)
     env[JOB_ENV], env[GROUP_ENV] = launch.job, launch.group
     # A socket path made absolute: the command may change its directory before it connects.
     env[ADDRESS_ENV] = os.path.abspath(address.path) if address.kind == "unix" else f"tcp://{address}"
@@ -179,7 +181,7 @@ def prepare(launch: Launch, environ: Mapping[str, str] = os.environ) -> Prepared
     ):
         if value is not None:
             env[name] = value
-    return Prepared((found, *launch.command[1:]), address, memory, gpus, env)
+    return Prepared((found, *launch.command[1:]), memory, gpus, env)
 
 
 def _gpus(text: str) -> list[int] | str:
@@ -234,7 +236,7 @@ def _member(launch: Launch, prepared: Prepared, mask: Iterable[int], stderr: Tex
         return USAGE
     try:
         try:
-            client.connect()
+            stopped = _connect(client)
         except errors.ConnectionLost as exc:
             print(
                 f"timesliced run: {exc.message}; start the daemon (`timesliced serve`) or pass --address", file=stderr
@@ -243,6 +245,12 @@ def _member(launch: Launch, prepared: Prepared, mask: Iterable[int], stderr: Tex
         except errors.TimeslicedError as exc:
             print(f"timesliced run: the daemon refused job {launch.job!r}: {exc.message}", file=stderr)
             return USAGE
+        if stopped is not None:
+            print(
+                f"timesliced run: {signal.Signals(stopped).name} while connecting to the daemon; nothing was started",
+                file=stderr,
+            )
+            return 128 + stopped
         # At a terminal, in its foreground: the command stays in our process group, so job control and
         # reading the terminal (a debugger's prompt) work as without the launcher. Anywhere else it gets
         # a process group of its own, which a guard kills if the launcher dies without a word.
@@ -261,6 +269,37 @@ def _member(launch: Launch, prepared: Prepared, mask: Iterable[int], stderr: Tex
             return _supervise(child)
     finally:
         client.close()
+
+
+def _connect(client: Client) -> int | None:
+    """Connect and register, taking the signals meanwhile; the signal that ended the wait, or None.
+
+    ``connect`` waits up to the client's ``reconnect`` window for a daemon that is restarting, so it
+    runs in a thread (which inherits the blocked mask) while this one takes the signals: a Ctrl-C or
+    a scheduler's SIGTERM ends the launch at once. The thread wakes this one when it is done (a
+    SIGCHLD to this thread, which nothing else takes for a child). Raises what ``connect`` raised.
+    """
+    failed: list[BaseException] = []
+    done = threading.Event()
+    main = threading.get_ident()
+
+    def connect() -> None:
+        try:
+            client.connect()
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            done.set()
+            signal.pthread_kill(main, signal.SIGCHLD)  # wakes the sigtimedwait below (SIGCHLD is waited for)
+
+    threading.Thread(target=connect, name="timesliced-run-connect", daemon=True).start()
+    while not done.is_set():
+        info = signal.sigtimedwait(WAITED, POLL_S)
+        if info is not None and info.si_signo in STOPPING:
+            return info.si_signo
+    if failed:
+        raise failed[0]
+    return None
 
 
 def _in_foreground() -> bool:
@@ -346,7 +385,7 @@ def _supervise(child: subprocess.Popen[bytes]) -> int:
 
 
 def _had_it(info: signal.struct_siginfo, pid: int, ours: int) -> bool:
-    """True for a terminal's SIGINT or SIGQUIT to the process group that the command is still in."""
+    """True for a terminal's SIGINT, SIGQUIT or SIGHUP to the process group that the command is still in."""
     return info.si_signo in KEYBOARD and info.si_code == SI_KERNEL and _group_of(pid) == ours
 
 
