@@ -41,6 +41,22 @@ def test_explicit_arguments_win_over_the_environment() -> None:
     )
 
 
+def test_a_client_of_another_job_or_group_takes_none_of_the_launched_job_s_settings() -> None:
+    for job, group in (("rl/sampler", "samplers"), ("rl/trainer", "other"), ("other", "pool")):
+        got = member(job, group, **NONE, environ=RUN)
+        assert (got.gpus, got.park, got.memory, got.priority, got.weight) == (None, None, None, 0, 1.0)
+    same = member("rl/trainer", "pool", **NONE, environ=RUN)  # the launched job, named again: they are its
+    assert (same.gpus, same.memory, same.priority) == ([0, 2], 1 << 30, 3)
+
+
+def test_a_malformed_address_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIMESLICED_ADDRESS", "tcp://host")
+    with pytest.raises(
+        ValueError, match=r"^\$TIMESLICED_ADDRESS='tcp://host': .*give a socket path or tcp://HOST:PORT"
+    ):
+        resolve_address(None)
+
+
 def test_without_either_the_defaults_stand() -> None:
     got = member("a", "g", **NONE, environ={})
     assert (got.gpus, got.park, got.memory, got.priority, got.weight) == (None, None, None, 0, 1.0)

@@ -64,7 +64,7 @@ from ..env import (
 )
 from ..util.parse import parse_size
 from ..wire.park import METHODS
-from .protocol import VISIBLE, resolve_address
+from .protocol import VISIBLE, parse_gpus, resolve_address
 from .sync import Client
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
@@ -160,7 +160,9 @@ def prepare(launch: Launch, environ: Mapping[str, str] = os.environ) -> Prepared
         raise LaunchRefused(f"--weight must be a positive number, not {launch.weight}")
     try:
         address = resolve_address(launch.address)
-    except ValueError as exc:
+    except ValueError as exc:  # from --address, or else from $TIMESLICED_ADDRESS, which the message names
+        if launch.address is None:
+            raise LaunchRefused(str(exc)) from None
         raise LaunchRefused(f"--address {launch.address!r}: {exc}; give a socket path or tcp://HOST:PORT") from None
     program = launch.command[0]
     found = shutil.which(program, path=environ.get("PATH")) if "/" not in program else program
@@ -185,15 +187,10 @@ def prepare(launch: Launch, environ: Mapping[str, str] = os.environ) -> Prepared
 
 
 def _gpus(text: str) -> list[int] | str:
-    if text == VISIBLE:
-        return VISIBLE
     try:
-        gpus = [int(part) for part in text.split(",")]
+        return parse_gpus(text)
     except ValueError:
-        gpus = []
-    if not gpus or any(g < 0 for g in gpus):
-        raise LaunchRefused(f"--gpus {text!r}: give the node's GPU numbers (like 0,1) or {VISIBLE!r}")
-    return gpus
+        raise LaunchRefused(f"--gpus {text!r}: give the node's GPU numbers (like 0,1) or {VISIBLE!r}") from None
 
 
 def run(launch: Launch, *, stderr: TextIO = sys.stderr) -> int:

@@ -52,9 +52,13 @@ def resolve_address(address: str | os.PathLike[str] | None) -> Address:
     """``None`` -> ``$TIMESLICED_ADDRESS``, else the local daemon's socket; ``"tcp://h:p"`` or ``"h:p"`` -> TCP;
     else a socket path. Raises ``ValueError`` for a TCP address without a port."""
     if address is None:
-        address = os.environ.get(ADDRESS_ENV) or None
-    if address is None:
-        return Address("unix", path=str(default_socket_path()))
+        named = os.environ.get(ADDRESS_ENV, "").strip()
+        if not named:
+            return Address("unix", path=str(default_socket_path()))
+        try:
+            return resolve_address(named)
+        except ValueError as exc:
+            raise ValueError(f"${ADDRESS_ENV}={named!r}: {exc}; give a socket path or tcp://HOST:PORT") from None
     text = os.fspath(address)
     if text.startswith("tcp://"):
         host, port = parse_host_port(text[len("tcp://") :])
@@ -95,8 +99,10 @@ def member(
     ``$TIMESLICED_PARK`` (a method's name, or the ``park`` map as JSON), ``$TIMESLICED_MEMORY``
     (a size), ``$TIMESLICED_GPUS`` (``0,1`` or ``visible``), ``$TIMESLICED_PRIORITY`` and
     ``$TIMESLICED_WEIGHT`` for the command it launches. An argument given (not None) always wins.
-    Raises ``ValueError`` naming the variable when a value there is malformed, and when no job or
-    group is given either way.
+    Those registration settings are the launched job's: a client for another job or group than the
+    environment names (a driver that also registers its samplers, say) takes none of them. Raises
+    ``ValueError`` naming the variable when a value there is malformed, and when no job or group is
+    given either way.
     """
 
     def env(name: str) -> str | None:
@@ -111,8 +117,13 @@ def member(
             f"no {missing} given: pass job= and group=, or launch the program with "
             f"`timesliced run --job J --group G -- CMD` (which sets ${JOB_ENV} and ${GROUP_ENV})"
         )
+    if (env(JOB_ENV) or job, env(GROUP_ENV) or group) != (job, group):  # another job's settings: not ours
+        environ = {}
     if gpus is None and (text := env(GPUS_ENV)) is not None:
-        gpus = _env_gpus(text)
+        try:
+            gpus = parse_gpus(text)
+        except ValueError as exc:
+            raise ValueError(f"${GPUS_ENV}={text!r} is {exc}") from None
     if park is None and (text := env(PARK_ENV)) is not None:
         park = _env_park(text)
     if memory is None and (text := env(MEMORY_ENV)) is not None:
@@ -135,7 +146,8 @@ def member(
     return Member(job, group, gpus, park, memory, priority, weight)
 
 
-def _env_gpus(text: str) -> list[int] | str:
+def parse_gpus(text: str) -> list[int] | str:
+    """``"0,1"`` -> ``[0, 1]``; ``"visible"`` -> ``VISIBLE``. Raises ``ValueError`` saying what it is not."""
     if text == VISIBLE:
         return VISIBLE
     try:
@@ -143,7 +155,7 @@ def _env_gpus(text: str) -> list[int] | str:
     except ValueError:
         gpus = []
     if not gpus or any(g < 0 for g in gpus):
-        raise ValueError(f"${GPUS_ENV}={text!r} is neither the node's GPU numbers (like 0,1) nor {VISIBLE!r}")
+        raise ValueError(f"neither the node's GPU numbers (like 0,1) nor {VISIBLE!r}")
     return gpus
 
 
