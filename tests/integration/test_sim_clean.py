@@ -144,3 +144,18 @@ def test_clean_leaves_what_is_not_the_simulated_gpus(tmp_path: Path) -> None:
     (root / "notes.txt").unlink()
     assert clean(root).kept == () and not root.exists()
     assert not clean(root).existed
+
+
+def test_an_os_error_while_cleaning_is_a_backend_error_that_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "sim"
+    (root / "jobs").mkdir(parents=True)
+
+    def refuse(path: object, *args: object, **kwargs: object) -> None:
+        raise OSError(39, "Directory not empty", str(path))  # a daemon starting meanwhile wrote into it
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    with pytest.raises(timesliced.errors.BackendError, match="run `timesliced sim clean` again") as caught:
+        clean(root)
+    assert "Directory not empty" in caught.value.message and str(root) in caught.value.message

@@ -139,6 +139,9 @@ def test_a_failing_unit_fails_its_future_and_the_job_goes_on(daemon: EmbeddedDae
         assert good.result(30)["loss"] > 0
         with pytest.raises(ValueError, match="has a training client already"):
             service.create_training_client("sft", LinearModel(4, 2))
+        client.close()  # as the message says: closed, the job may have one again
+        again = service.create_training_client("sft", LinearModel(4, 2))
+        assert again.sample(np.ones((1, 4))).result(30).shape == (1, 2)
     with pytest.raises(RuntimeError, match="is closed"):
         client.sample(np.ones((1, 4)))
 

@@ -50,7 +50,7 @@ class VerlTimers:
     """veRL's ``marked_timer`` that also holds each named step's phase.
 
     Like veRL's, it adds the step's seconds to ``timing_raw[name]``; a name not in ``phases``
-    (``reward``, ``adv``, ``step``, ``testing``) only times.
+    (``reward``, ``adv``, ``step``) only times.
     """
 
     def __init__(self, hooks: PhaseHooks, phases: Mapping[str, Phase] = VERL_TIMERS) -> None:

@@ -254,6 +254,8 @@ class TrainingClient:
         except TimeslicedError as exc:
             log.warning("freeing %s's device memory failed: %s", self.job, exc)
         self.client.close()
+        if self._service.clients.get(self.job) is self:
+            del self._service.clients[self.job]  # the job may have a training client again
 
 
 class TrainingService:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .. import errors
 from ..env import default_sim_dir, default_state_dir
+from ..util.parse import human_size
 from .layout import LOCK_NAME
 
 ARENA_SUFFIX = ".arena"
@@ -50,6 +51,16 @@ def clean(root: Path) -> Cleaned:
     """
     if not root.is_dir():
         return Cleaned(root, existed=False)
+    try:
+        return _clean(root)
+    except OSError as exc:  # another user's files, or a daemon starting meanwhile (a directory not empty)
+        raise errors.BackendError(
+            f"cannot clean the simulated GPU state at {root}: {exc}; run it as the user whose daemon left it, "
+            "with no daemon starting there, then run `timesliced sim clean` again"
+        ) from None
+
+
+def _clean(root: Path) -> Cleaned:
     lock = root / LOCK_NAME
     try:
         fd = os.open(lock, os.O_RDWR)
@@ -126,17 +137,8 @@ def _command(args: argparse.Namespace) -> int:
         return 0
     print(
         f"removed the simulated GPU state at {root}: {done.jobs} job(s), {done.parked} parked region(s), "
-        f"{_human(done.nbytes)} of memory"
+        f"{human_size(done.nbytes)} of memory"
     )
     if done.kept:
         print(f"left in place (not the simulated GPU's): {', '.join(done.kept)}", file=sys.stderr)
     return 0
-
-
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
