@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import errors
+from .daemon.configfile import help_text
 
 REPO = Path(__file__).resolve().parents[1]
 CLI_PAGE = Path("docs/reference/cli.md")
@@ -54,18 +55,6 @@ def _cell(text: str) -> str:
 
 def _code(text: str) -> str:
     return f"`{text}`" if "`" not in text else f"`` {text} ``"
-
-
-def _help(action: argparse.Action, parser: argparse.ArgumentParser) -> str:
-    """The action's help with ``%(default)s`` and the like expanded, as argparse expands them."""
-    if not action.help or action.help == argparse.SUPPRESS:
-        return ""
-    params = {k: v for k, v in vars(action).items() if v is not argparse.SUPPRESS}
-    params["prog"] = parser.prog
-    for key in ("choices",):
-        if params.get(key) is not None:
-            params[key] = ", ".join(map(str, params[key]))
-    return action.help % params
 
 
 def _metavar(action: argparse.Action) -> str:
@@ -135,7 +124,9 @@ def _options_table(parser: argparse.ArgumentParser) -> list[str]:
                 names = _code(metavar)
             names = names.replace("|", "\\|")  # GitHub reads an escaped bar inside code in a table as a bar
             default = _default(a)
-            lines.append(f"| {names} | {_cell(_code(default)) if default else ''} | {_cell(_help(a, parser))} |")
+            lines.append(
+                f"| {names} | {_cell(_code(default)) if default else ''} | {_cell(help_text(a, parser.prog))} |"
+            )
     return lines
 
 

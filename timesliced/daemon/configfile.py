@@ -102,9 +102,11 @@ def _kind(action: argparse.Action) -> str:
     return kind
 
 
-def _help(action: argparse.Action, prog: str) -> str:
-    """The option's help as ``--help`` shows it (``%(default)s`` filled in, ``%%`` as ``%``)."""
-    text = action.help or ""
+def help_text(action: argparse.Action, prog: str) -> str:
+    """The option's help as ``--help`` shows it (``%(default)s`` filled in, ``%%`` as ``%``), on one line."""
+    if not action.help or action.help == argparse.SUPPRESS:
+        return ""
+    text = action.help
     params = {k: v for k, v in vars(action).items() if v is not argparse.SUPPRESS}
     params["prog"] = prog
     for name, value in list(params.items()):
@@ -124,7 +126,7 @@ def keys(parser: argparse.ArgumentParser) -> dict[str, Key]:
         flag = next(s for s in action.option_strings if s.startswith("--"))
         kind = _kind(action)
         choices = tuple(map(str, action.choices)) if action.choices else ()
-        out[action.dest] = Key(action.dest, flag, kind, action.default, _help(action, parser.prog), choices)
+        out[action.dest] = Key(action.dest, flag, kind, action.default, help_text(action, parser.prog), choices)
     return out
 
 
