@@ -13,9 +13,8 @@ import pytest
 
 from timesliced.config import DaemonConfig
 from timesliced.daemon.embedded import EmbeddedDaemon
-from timesliced.env import default_sim_dir
 
-from .helpers.daemon import TOKEN, Raw
+from .helpers.daemon import TOKEN, Raw, serving
 
 pytest_plugins = ["tests.helpers.sims"]  # the simulated GPU fixtures: root, sims
 
@@ -41,15 +40,8 @@ def daemon(tmp_path: Path) -> Iterator[EmbeddedDaemon]:
         listen=("127.0.0.1", 0),
         token=TOKEN,
     )
-    embedded = EmbeddedDaemon(config)
-    embedded.start()
-    try:
+    with serving(config) as embedded:
         yield embedded
-    finally:
-        embedded.stop()
-        import shutil
-
-        shutil.rmtree(default_sim_dir(config.state_dir), ignore_errors=True)
 
 
 @pytest.fixture

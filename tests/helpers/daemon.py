@@ -1,13 +1,34 @@
-"""Talking to a test daemon by hand: the ``daemon`` fixture's token and a raw protocol connection."""
+"""Test daemons: one embedded for a block (``serving``), the ``daemon`` fixture's token, a raw connection."""
 
 from __future__ import annotations
 
+import shutil
 import struct
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+if TYPE_CHECKING:
+    from timesliced.config import DaemonConfig
+    from timesliced.daemon.embedded import EmbeddedDaemon
+
 TOKEN = "shared-token-for-tests-5d1e8c0b"  # what TCP clients of the ``daemon`` fixture prove
+
+
+@contextmanager
+def serving(config: DaemonConfig) -> Iterator[EmbeddedDaemon]:
+    """A daemon embedded in this process for the block; its simulated GPU's files go with it."""
+    from timesliced.daemon.embedded import EmbeddedDaemon
+
+    embedded = EmbeddedDaemon(config)
+    embedded.start()
+    try:
+        yield embedded
+    finally:
+        embedded.stop()
+        shutil.rmtree(config.resolved_sim_dir(), ignore_errors=True)
 
 
 class Raw:

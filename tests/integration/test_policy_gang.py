@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +16,8 @@ from timesliced.bench.cluster import LocalCluster
 from timesliced.config import DaemonConfig
 from timesliced.core.policy import QueuePolicy
 from timesliced.daemon.embedded import EmbeddedDaemon
-from timesliced.env import default_sim_dir
 
+from ..helpers.daemon import serving
 from ..helpers.processes import wait_for
 
 MiB = 1 << 20
@@ -35,13 +34,8 @@ def daemon(tmp_path: Path) -> Iterator[EmbeddedDaemon]:
         bandwidth=0,
         queue_policies={"*": QueuePolicy("priority")},
     )
-    embedded = EmbeddedDaemon(config)
-    embedded.start()
-    try:
+    with serving(config) as embedded:
         yield embedded
-    finally:
-        embedded.stop()
-        shutil.rmtree(default_sim_dir(config.state_dir), ignore_errors=True)
 
 
 def group(c: Any, name: str) -> dict[str, Any]:

@@ -6,7 +6,6 @@ CI sets ``TIMESLICED_REQUIRE_RAY=1``, so a missing Ray fails there instead of sk
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,9 @@ import pytest
 import timesliced
 from timesliced.config import DaemonConfig
 from timesliced.daemon.embedded import EmbeddedDaemon
-from timesliced.env import default_sim_dir
 from timesliced.integrations.ray import TimeslicedActor, gang, gpu_phase
 
+from ..helpers.daemon import serving
 from ..helpers.processes import REPO
 
 if os.environ.get("TIMESLICED_REQUIRE_RAY") == "1":
@@ -51,13 +50,8 @@ def daemon(tmp_path: Path) -> Iterator[EmbeddedDaemon]:
     config = DaemonConfig(
         state_dir=tmp_path / "state", backend="sim", gpus=2, gpu_memory=4 * MiB, bandwidth=0, pid_poll_interval=0.1
     )
-    embedded = EmbeddedDaemon(config)
-    embedded.start()
-    try:
+    with serving(config) as embedded:
         yield embedded
-    finally:
-        embedded.stop()
-        shutil.rmtree(default_sim_dir(config.state_dir), ignore_errors=True)
 
 
 def actor(job: str, group: str, gpu: int, daemon: EmbeddedDaemon) -> Any:

@@ -7,7 +7,6 @@ for bit, the same loops run on plain memory with no daemon.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,10 @@ from timesliced import errors
 from timesliced.client.offload import HostDeviceMemory, Offloader
 from timesliced.config import DaemonConfig
 from timesliced.daemon.embedded import EmbeddedDaemon
-from timesliced.env import default_sim_dir
 from timesliced.integrations.linear import LinearModel
 from timesliced.integrations.service import TrainingService
+
+from ..helpers.daemon import serving
 
 MiB = 1 << 20
 GPU = 4 * MiB
@@ -32,13 +32,8 @@ STEPS = 6
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[EmbeddedDaemon]:
     config = DaemonConfig(state_dir=tmp_path / "state", backend="sim", gpus=1, gpu_memory=GPU, bandwidth=0)
-    embedded = EmbeddedDaemon(config)
-    embedded.start()
-    try:
+    with serving(config) as embedded:
         yield embedded
-    finally:
-        embedded.stop()
-        shutil.rmtree(default_sim_dir(config.state_dir), ignore_errors=True)
 
 
 def data(seed: int) -> list[tuple[Any, Any]]:
