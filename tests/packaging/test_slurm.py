@@ -50,7 +50,7 @@ raise SystemExit(main())
 
 # A job: three turns on the group "shared" through this node's daemon, then what it saw, as JSON.
 TRAIN = """\
-import json, sys
+import json, os
 import timesliced
 
 with timesliced.Client(job={job!r}, group="shared") as client:
@@ -62,7 +62,10 @@ with timesliced.Client(job={job!r}, group="shared") as client:
         fences.append(grant.fence)
         client.release()
     cluster = client.status()["cluster"]
-print(json.dumps({{"job": {job!r}, "fences": fences, "members": cluster["members"], "leader": cluster["leader"]}}))
+report = {{"job": {job!r}, "fences": fences, "members": cluster["members"], "leader": cluster["leader"]}}
+# One write(2) of the whole line: the two jobs share the script's stdout, and a print() may write the
+# line and its newline apart (unbuffered), letting the other job's line in between.
+os.write(1, (json.dumps(report) + "\\n").encode())
 """
 
 
