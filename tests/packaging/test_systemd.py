@@ -14,7 +14,6 @@ import configparser
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ else:  # pragma: no cover (Python 3.10)
     import tomli as tomllib
 
 from ..helpers.processes import REPO
+from ..helpers.tools import required_tool
 
 SYSTEMD = REPO / "packaging" / "systemd"
 UNIT = SYSTEMD / "timesliced.service"
@@ -141,12 +141,7 @@ def test_the_example_check_would_catch_a_wrong_key() -> None:
 
 
 def systemd_analyze() -> str:
-    found = shutil.which("systemd-analyze")
-    if found is None:
-        if os.environ.get("TIMESLICED_REQUIRE_SYSTEMD_ANALYZE") == "1":
-            pytest.fail("systemd-analyze is not installed (apt-get install systemd)")
-        pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
-    return found
+    return required_tool("systemd-analyze", "TIMESLICED_REQUIRE_SYSTEMD_ANALYZE", "apt-get install systemd")
 
 
 def verify(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
