@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import errors
 from ..env import (
@@ -33,6 +33,8 @@ from ..wire.messages import EVERY_GPU, PROTOCOL_VERSION
 from ..wire.park import METHODS, ParkSpec
 from .gpus import node_gpus
 from .session import Unreachable
+
+N = TypeVar("N", int, float)
 
 VISIBLE = "visible"  # gpus=: every GPU this process's CUDA sees
 
@@ -132,18 +134,18 @@ def member(
         except ValueError:
             raise ValueError(f"${MEMORY_ENV}={text!r} is not a size; give one like 16GiB, 512MiB or 1.5GB") from None
     if priority is None:
-        text = env(PRIORITY_ENV)
-        try:
-            priority = int(text) if text is not None else 0
-        except ValueError:
-            raise ValueError(f"${PRIORITY_ENV}={text!r} is not an integer") from None
+        priority = _env_number(env(PRIORITY_ENV), PRIORITY_ENV, int, 0, "an integer")
     if weight is None:
-        text = env(WEIGHT_ENV)
-        try:
-            weight = float(text) if text is not None else 1.0
-        except ValueError:
-            raise ValueError(f"${WEIGHT_ENV}={text!r} is not a number") from None
+        weight = _env_number(env(WEIGHT_ENV), WEIGHT_ENV, float, 1.0, "a number")
     return Member(job, group, gpus, park, memory, priority, weight)
+
+
+def _env_number(text: str | None, name: str, kind: Callable[[str], N], default: N, what: str) -> N:
+    """``text`` (``$name``'s value) as ``kind``, ``default`` when unset; raises ``ValueError`` naming the variable."""
+    try:
+        return kind(text) if text is not None else default
+    except ValueError:
+        raise ValueError(f"${name}={text!r} is not {what}") from None
 
 
 def parse_gpus(text: str) -> list[int] | str:
