@@ -104,9 +104,9 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
     out["warm_gbps"] = _best(reps, n, warm)
     maps: list[mmap.mmap] = []
 
-    def fresh_mmap() -> Callable[[], None]:
-        fd = _fresh_file(folder, "fresh", n)
-        m = mmap.mmap(fd, n)
+    def copy_into(fd: int, flags: int = mmap.MAP_SHARED) -> Callable[[], None]:
+        """A copy of the source into ``fd``'s pages through a shared mapping (closes ``fd``)."""
+        m = mmap.mmap(fd, n, flags=flags)
         os.close(fd)
         maps.append(m)
 
@@ -115,6 +115,9 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
                 mv[:] = sv
 
         return go
+
+    def fresh_mmap() -> Callable[[], None]:
+        return copy_into(_fresh_file(folder, "fresh", n))
 
     out["fresh_mmap_gbps"] = _best(reps, n, fresh_mmap)
 
@@ -134,15 +137,7 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
     def prefaulted() -> Callable[[], None]:
         fd = _fresh_file(folder, "fresh", 0)
         os.posix_fallocate(fd, 0, n)
-        m = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | _POPULATE)
-        os.close(fd)
-        maps.append(m)
-
-        def go() -> None:
-            with memoryview(m) as mv:
-                mv[:] = sv
-
-        return go
+        return copy_into(fd, mmap.MAP_SHARED | _POPULATE)
 
     out["prefaulted_gbps"] = _best(reps, n, prefaulted)
     for m in maps:
