@@ -25,6 +25,9 @@ MEMORY_ENV = "TIMESLICED_MEMORY"  # the device memory the job declares on each o
 GPUS_ENV = "TIMESLICED_GPUS"  # the group's GPUs: "0,1" (the node's numbers) or "visible"
 PRIORITY_ENV = "TIMESLICED_PRIORITY"
 WEIGHT_ENV = "TIMESLICED_WEIGHT"
+# The party a process acts for (``Client(party=...)``): processes that hold one group while they ask
+# for another on each other's behalf (an RL run's trainer and sampler actors) name the same party.
+PARTY_ENV = "TIMESLICED_PARTY"
 MEMBER_ENVS = (ADDRESS_ENV, JOB_ENV, GROUP_ENV, PARK_ENV, MEMORY_ENV, GPUS_ENV, PRIORITY_ENV, WEIGHT_ENV)
 
 

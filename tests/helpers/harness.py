@@ -129,10 +129,13 @@ class Harness:
         freezes: bool = True,
         priority: int = 0,
         weight: float = 1.0,
+        party: str = "",
     ) -> int:
         sid = self.session()
         self.handle(
-            JobRegistered(sid, job, group, gpus, pids, exclusive, freezes=freezes, priority=priority, weight=weight)
+            JobRegistered(
+                sid, job, group, gpus, pids, exclusive, freezes=freezes, priority=priority, weight=weight, party=party
+            )
         )
         return sid
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import pytest
 
 import timesliced
+from timesliced.client.protocol import process_party
 from timesliced.daemon.embedded import EmbeddedDaemon
 
 
@@ -75,3 +77,16 @@ def test_the_async_decorator_passes_the_grant_when_asked(daemon: EmbeddedDaemon)
             assert _group(await a.status())["holder"] is None
 
     asyncio.run(scenario())
+
+
+def test_a_forked_child_is_a_party_of_its_own() -> None:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own party, though the parent made one first
+        os.write(write, process_party().encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 1024).decode()
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert child and child != process_party() and str(pid) in child

@@ -116,6 +116,43 @@ def test_gang_holds_both_pools_or_neither(daemon: EmbeddedDaemon) -> None:
         assert group(rival, "trainers")["holder"] is None and group(rival, "samplers")["holder"] is None
 
 
+def test_a_process_that_holds_the_trainers_gets_the_samplers_before_a_gang(daemon: EmbeddedDaemon) -> None:
+    """This process holds the trainers' pool and asks for the samplers' by a single acquire, while a
+    gang of another party waits for the trainers' pool and keeps the free samplers' pool: kept behind
+    the gang, the acquire would wait for ever (the trainers' pool is let go only after it)."""
+    sock = str(daemon.socket)
+    with (
+        timesliced.Client("trainer", "trainers", address=sock, gpus=[0]) as trainer,
+        timesliced.Client("sampler", "samplers", address=sock, gpus=[1]) as sampler,
+        timesliced.Client("gt", "trainers", address=sock, gpus=[0], party="other-run") as gt,
+        timesliced.Client("gs", "samplers", address=sock, gpus=[1], party="other-run") as gs,
+    ):
+        trainer.acquire()
+        got: list[Any] = []
+
+        def other_run() -> None:
+            with timesliced.gang(gt, gs, timeout=20.0) as grants:
+                got.extend(g.group for g in grants)
+
+        t = threading.Thread(target=other_run)
+        t.start()
+        wait_for(lambda: "gang" in (group(trainer, "samplers")["waiting_for"] or ""))
+        assert group(trainer, "samplers")["holder"] is None
+        sampler.acquire(timeout=10.0)  # the weight sync: both pools, the trainers' first
+        assert daemon.daemon is not None
+        (logged,) = [e for e in daemon.daemon.history.events if e.kind == "policy"]
+        assert logged.job == "sampler" and "holds group 'trainers'" in logged.detail
+        sampler.release()
+        trainer.release()
+        t.join(20)
+        assert sorted(got) == ["samplers", "trainers"]
+
+
+def test_a_party_is_refused_at_the_boundary(daemon: EmbeddedDaemon) -> None:
+    with pytest.raises(ValueError, match="party"):
+        timesliced.Client("p", "g", address=str(daemon.socket), party="x" * 300)
+
+
 def test_a_gang_that_times_out_leaves_nothing_held(daemon: EmbeddedDaemon) -> None:
     sock = str(daemon.socket)
     with (
@@ -175,6 +212,36 @@ def test_a_gang_across_two_daemons(tmp_path: Path) -> None:
             rival.release()
             t.join(30)
             assert sorted(g.group for g in got[:2]) == ["samplers", "trainers"] and got[2] == (True, True)
+
+
+@pytest.mark.slow
+def test_a_process_holding_one_nodes_pool_passes_a_gang_on_the_other(tmp_path: Path) -> None:
+    """The party rule at the leader: trainers on one node, samplers on the other."""
+    with LocalCluster(tmp_path, 2) as cluster:
+        cluster.start_all()
+        a, b = cluster.names
+        with (
+            timesliced.Client("trainer", "trainers", address=str(cluster.socket(a))) as trainer,
+            timesliced.Client("sampler", "samplers", address=str(cluster.socket(b))) as sampler,
+            timesliced.Client("gt", "trainers", address=str(cluster.socket(a)), party="other-run") as gt,
+            timesliced.Client("gs", "samplers", address=str(cluster.socket(b)), party="other-run") as gs,
+        ):
+            trainer.acquire(timeout=20.0)
+            got: list[Any] = []
+
+            def other_run() -> None:
+                with timesliced.gang(gt, gs, timeout=30.0) as grants:
+                    got.extend(g.group for g in grants)
+
+            t = threading.Thread(target=other_run)
+            t.start()
+            leader = cluster.leader()
+            wait_for(lambda: "gang" in (group_of(cluster, leader, "samplers").get("waiting_for") or ""), timeout=10)
+            sampler.acquire(timeout=20.0)
+            sampler.release()
+            trainer.release()
+            t.join(30)
+            assert sorted(got) == ["samplers", "trainers"]
 
 
 def group_of(cluster: LocalCluster, node: str, name: str) -> dict[str, Any]:

@@ -43,8 +43,9 @@ def runs(daemon: EmbeddedDaemon) -> Iterator[dict[str, Run]]:
     sock = str(daemon.socket)
     clients = {
         name: (
-            timesliced.Client(f"{name}-trainer", "trainers", address=sock, gpus=[0]),
-            timesliced.Client(f"{name}-sampler", "samplers", address=sock, gpus=[1]),
+            # each run as its own process would be: one party
+            timesliced.Client(f"{name}-trainer", "trainers", address=sock, gpus=[0], party=f"run-{name}"),
+            timesliced.Client(f"{name}-sampler", "samplers", address=sock, gpus=[1], party=f"run-{name}"),
         )
         for name in ("a", "b")
     }
@@ -151,9 +152,10 @@ def test_the_same_syncs_deadlock_when_a_pool_is_held_while_asking_for_the_other(
 
 
 @pytest.mark.slow
-def test_holding_the_trainer_pool_while_asking_for_the_sampler_waits_behind_a_gang(runs: dict[str, Run]) -> None:
-    """Why a weight sync inside a train phase hands its lock through a gang: ordered acquisition alone
-    (trainer, then sampler) waits forever behind another run's gang that waits for the trainer pool."""
+def test_holding_the_trainer_pool_while_asking_for_the_sampler_goes_before_a_gang(runs: dict[str, Run]) -> None:
+    """Ordered acquisition (trainer, then sampler) by one party does not wait behind another run's gang
+    that keeps the free samplers' pool while it waits for the trainers' pool: the party goes first,
+    then the gang."""
     (a_trainer, a_sampler), b = runs["a"], runs["b"]
     a_trainer.acquire(10)
     b_hooks = PhaseHooks(*b, timeout=20)
@@ -166,8 +168,9 @@ def test_holding_the_trainer_pool_while_asking_for_the_sampler_waits_behind_a_ga
     t = threading.Thread(target=b_sync)
     t.start()
     wait_for(lambda: "gang" in (group(a_trainer, "samplers")["waiting_for"] or ""))
-    with pytest.raises(errors.AcquireTimeout):
-        a_sampler.acquire(1.0)  # the samplers' pool is free, yet its head is b's gang
+    a_sampler.acquire(10.0)  # the samplers' pool is free, and its head is b's gang: a's party holds the trainers'
+    assert not synced.is_set()
+    a_sampler.release()
     a_trainer.release()
     t.join(20)
     assert synced.is_set()

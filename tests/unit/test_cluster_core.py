@@ -42,7 +42,7 @@ def report(jobs: list[dict[str, Any]], sessions: list[tuple[int, str]], **kw: An
     """A node's report as it travels (``rebuild`` takes it read: ``reports_of``)."""
     return {
         "devices": {"0": 100},
-        "sessions": [{"conn": c, "job": j, "pids": []} for c, j in sessions],
+        "sessions": [{"conn": c, "job": j, "pids": [], "party": None} for c, j in sessions],
         "jobs": jobs,
         "holders": kw.get("holders", []),
         "waiting": kw.get("waiting", []),
@@ -401,6 +401,22 @@ def test_a_single_node_leads_at_once_and_answers_within_the_call() -> None:
     (reply,) = [e for e in n.drain() if isinstance(e, Reply)]
     assert reply.rid == 2 and reply.result["fence"] == 1 and reply.result["term"] == 1
     assert [type(e).__name__ for e in n.drain()] == []
+
+
+def test_a_sessions_party_reaches_the_leader_and_survives_a_rebuild() -> None:
+    """A node reports each session's party; a new leader registers the session with it again."""
+    n = ClusterNode("solo", ("solo",), {0: 100}, rng=random.Random(1))
+    n.start(0.0)
+    n.request(Register(1, 1, "A", "g", party="host:42:ab"), 0.1)
+    n.request(Register(2, 2, "A", "g"), 0.1)
+    assert n.scheduler is not None and n.scheduler.registry.parties == {1: "host:42:ab"}
+    picture = n._report(0.2)
+    assert [(s.conn, s.party) for s in picture.sessions] == [(1, "host:42:ab"), (2, None)]
+    orch, problems = Orchestrator.rebuild(ERA, {0: picture}, [], NOW)
+    assert problems == [] and list(orch.scheduler.registry.parties.values()) == ["host:42:ab"]
+    n.closed(1, 0.3)
+    assert n.parties == {} and n.scheduler.registry.parties == {}
+    orch.scheduler.check_invariants()
 
 
 def test_a_leader_that_takes_stock_again_keeps_its_figures() -> None:

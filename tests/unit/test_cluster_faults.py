@@ -195,7 +195,7 @@ def report(waiting: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     }
     return {
         "devices": {"0": 100},
-        "sessions": [{"conn": 1, "job": "B", "pids": []}],
+        "sessions": [{"conn": 1, "job": "B", "pids": [], "party": None}],
         "jobs": [job],
         "holders": [],
         "waiting": waiting or [],
@@ -224,6 +224,7 @@ REGISTER_C = req(
         "memory_each": None,
         "priority": 0,
         "weight": 1.0,
+        "party": None,
     },
 )
 

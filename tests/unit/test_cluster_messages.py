@@ -64,7 +64,7 @@ from timesliced.wire.codec import HEADER, decode_body, encode
 ERA = (3, 2)
 REPORT = NodeReport(
     devices={0: 100, 1: 80},
-    sessions=(ReportedSession(4, "job-a", (11, 12)),),
+    sessions=(ReportedSession(4, "job-a", (11, 12), "host:11:5e"),),
     jobs=(
         ReportedJob(
             "job-a", "pool", True, Location.PARKED, {0: 60}, "it broke", (0, 101), True, memory={0: 64}, memory_each=32
@@ -101,6 +101,7 @@ SAMPLES: dict[str, PeerMessage] = {
             {"session": 4, "park": "sim"},
             memory={0: 1024},
             memory_each=2048,
+            party="host:11:5e",
         ),
     ),
     "req acquire": Req(ERA, 2, Acquire(4, 10, 30.0, "sync", 2)),

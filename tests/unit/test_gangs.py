@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from timesliced import errors
-from timesliced.core.events import AcquireRequested, FailRequest, GrantLock, RestoreJob, SnapshotJob
+from timesliced.core.events import AcquireRequested, FailRequest, GrantLock, NotifyJob, RestoreJob, SnapshotJob
 from timesliced.core.policy import QueuePolicy
 
 from ..helpers.harness import Harness
@@ -224,3 +224,57 @@ def test_gangs_ranked_crossed_by_priority_do_not_deadlock(harness: Make) -> None
     h.release(t_hi)
     h.release(s_lo)
     assert grants(h) == {"t": "t_lo", "s": "s_hi"}
+
+
+def crossing(harness: Make, party_s: str = "P") -> tuple[Harness, dict[str, int]]:
+    """Party P holds ``t`` with job ``pt``; gang G (``gt``, ``gs``) waits for ``t`` and keeps ``s``."""
+    h = harness(FOUR)
+    s = {
+        "pt": h.register("pt", "t", (0,), party="P"),
+        "ps": h.register("ps", "s", (1,), party=party_s),
+        "gt": h.register("gt", "t", (0,)),
+        "gs": h.register("gs", "s", (1,)),
+    }
+    h.acquire(s["pt"])
+    assert grants(h) == {"t": "pt"}
+    h.acquire(s["gt"], gang="G", members=2)
+    h.acquire(s["gs"], gang="G", members=2)
+    assert h.holder("s") is None and h.drain() == []  # the gang keeps free ``s`` while it waits for ``t``
+    return h, s
+
+
+def test_a_party_that_holds_a_gangs_group_goes_before_the_gang_in_another(harness: Make) -> None:
+    """A process that holds the trainers' group and asks for the samplers' by a single acquire would
+    wait for a gang that waits for the trainers' group: it goes first, and the gang after it."""
+    h, s = crossing(harness)
+    h.acquire(s["ps"])
+    effects = h.drain()
+    assert {e.group: e.job for e in effects if isinstance(e, GrantLock)} == {"s": "ps"}
+    (notice,) = [e for e in effects if isinstance(e, NotifyJob) and e.event == "policy"]
+    assert notice.job == "ps" and notice.data["passed"] == "gs" and notice.data["gang"] == "G"
+    assert "holds group 't'" in str(notice.data["reason"])
+    h.release(s["ps"])
+    assert h.holder("s") is None and h.drain() == []  # the gang still waits for ``t``
+    h.release(s["pt"])
+    assert grants(h) == {"t": "gt", "s": "gs"}
+
+
+def test_a_single_acquire_of_another_party_does_not_pass_a_gang(harness: Make) -> None:
+    """The same acquire from a process that holds none of the gang's groups waits behind the gang
+    (and were ``pt`` waiting for ``ps``, this is the deadlock the party rule breaks)."""
+    h, s = crossing(harness, party_s="Q")
+    h.acquire(s["ps"])
+    assert h.holder("s") is None and h.drain() == []
+    h.release(s["pt"])
+    assert grants(h) == {"t": "gt", "s": "gs"}
+    h.release(s["gs"])
+    assert grants(h) == {"s": "ps"}
+
+
+def test_a_party_that_let_its_group_go_no_longer_passes(harness: Make) -> None:
+    h, s = crossing(harness)
+    h.close(s["pt"])  # its session ends: it holds nothing, and its party is forgotten
+    assert grants(h) == {"t": "gt", "s": "gs"}
+    assert set(h.s.registry.parties) == {s["ps"]}
+    h.acquire(s["ps"])
+    assert h.holder("s") == "gs" and h.drain() == []

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from timesliced.client.protocol import Address, member, resolve_address
+from timesliced.client.protocol import Address, member, process_party, register_args, resolve_address
 from timesliced.wire.park import ParkSpec
 
 NONE = {"gpus": None, "park": None, "memory": None, "priority": None, "weight": None}
@@ -114,3 +115,21 @@ def test_the_address_comes_from_the_environment_unless_given(monkeypatch: pytest
     monkeypatch.delenv("TIMESLICED_ADDRESS")
     monkeypatch.setenv("TIMESLICED_SOCKET", str(tmp_path / "local.sock"))
     assert resolve_address(None) == Address("unix", path=str(tmp_path / "local.sock"))
+
+
+def test_a_party_is_the_process_s_unless_named() -> None:
+    """Every client of a process acts for one party, whatever its job; ``$TIMESLICED_PARTY`` or
+    ``party=`` names one for several processes."""
+    mine = member("a", "g", **NONE, environ={})
+    assert mine.party == member("b", "other", **NONE, environ={}).party == process_party()
+    assert str(os.getpid()) in mine.party
+    named = {**RUN, "TIMESLICED_PARTY": "run-7"}
+    assert member("rl/sampler", "samplers", **NONE, environ=named).party == "run-7"  # another job: still the process's
+    assert member(None, None, **NONE, party="mine", environ=named).party == "mine"
+
+
+def test_register_args_carry_a_party_and_refuse_a_bad_one() -> None:
+    assert register_args("a", "g", None, None, party="run-7")["party"] == "run-7"
+    assert "party" not in register_args("a", "g", None, None)
+    with pytest.raises(ValueError, match="party must be a string of at most 256"):
+        register_args("a", "g", None, None, party="x" * 257)

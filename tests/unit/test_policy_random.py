@@ -3,8 +3,9 @@
 Per policy (``policy.py``): a waiter that arrived at ``t`` with window ``W`` is passed by no waiter
 that arrived after ``t + W``, and after ``t + W`` at most ``N - 1`` grants of its group come before
 its own (``N`` jobs). Gangs: members are granted in one step or not at all, and once arrivals stop
-and holders keep releasing, every waiter, gang or single, is granted (no deadlock). The harness
-checks ``check_invariants(now)`` after every input.
+and holders keep releasing, every waiter, gang or single, is granted (no deadlock), also when
+parties hold one group while they ask for another. The harness checks ``check_invariants(now)``
+after every input.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from timesliced import errors
+from timesliced.core.arbiter import Arbiter
 from timesliced.core.events import FailRequest, GrantLock
 from timesliced.core.policy import QueuePolicy, Standing
 
@@ -222,3 +224,98 @@ def test_gangs_never_deadlock_and_are_granted_whole(data: st.DataObject) -> None
         "deadlock: waiters left that could be granted",
         {g: [(w.job, w.gang) for w in h.s.groups[g].queue] for g in GROUPS},
     )
+
+
+def check_parties(policy: str, data: st.DataObject) -> None:
+    """Two parties, each holding its first group while it asks for its second (every party in one
+    order), among single acquires and gangs of both groups: once arrivals stop and holders release,
+    everyone is granted. Without the party rule (``Arbiter._passer``) a gang that keeps a party's
+    second group while it waits for the first deadlocks with that party."""
+    h = Harness({0: 100, 1: 100}, queue_policies={"*": QueuePolicy(policy, aging_s=1000.0)})
+    first, second = data.draw(st.permutations(["t", "s"]), label="order")
+    gpus = {"t": (0,), "s": (1,)}
+    party = {p: {g: h.register(f"{p}-{g}", g, gpus[g], party=p) for g in gpus} for p in ("P1", "P2")}
+    loners = {f"x{k}-{g}": h.register(f"x{k}-{g}", g, gpus[g]) for k in range(3) for g in gpus}
+    sessions = {f"{p}-{g}": s for p, by in party.items() for g, s in by.items()} | loners
+    busy: set[str] = set()  # jobs that wait or hold
+    holding: set[str] = set()
+    gangs = 0
+
+    def settle() -> None:
+        effects = h.drain()
+        assert not [e for e in effects if isinstance(e, FailRequest)], effects
+        holding.update(e.job for e in effects if isinstance(e, GrantLock) and not e.again)
+
+    def ask(job: str, **gang: Any) -> None:
+        busy.add(job)
+        h.acquire(sessions[job], **gang)
+
+    def release(*jobs: str) -> None:
+        for job in jobs:
+            h.release(sessions[job])
+            holding.discard(job)
+            busy.discard(job)
+
+    def step_parties() -> None:
+        for p in sorted(party):
+            a, b = f"{p}-{first}", f"{p}-{second}"
+            if a in holding and b not in busy:
+                ask(b)  # holds its first group while it asks for its second
+            elif a in holding and b in holding:
+                release(b, a)
+
+    for _ in range(data.draw(st.integers(5, 50), label="steps")):
+        action = data.draw(st.sampled_from(["party", "next", "single", "gang", "release", "time"]), label="action")
+        idle = sorted(j for j in loners if j not in busy)
+        if action == "party":
+            p = data.draw(st.sampled_from(sorted(party)), label="party")
+            if not any(j.startswith(p) and j in busy for j in sessions):
+                ask(f"{p}-{first}")
+        elif action == "next":
+            step_parties()
+        elif action == "single" and idle:
+            ask(data.draw(st.sampled_from(idle), label="single"))
+        elif action == "gang":
+            members = [next((j for j in idle if j.endswith(f"-{g}")), None) for g in gpus]
+            if None not in members:
+                gangs += 1
+                for m in data.draw(st.permutations(members), label="arrival"):
+                    assert m is not None
+                    ask(m, gang=f"G{gangs}", members=2)
+        elif action == "release":
+            done = sorted(j for j in holding if j in loners)
+            if done:
+                release(data.draw(st.sampled_from(done), label="release"))
+        else:
+            h.advance(data.draw(st.sampled_from([0.5, 4.0]), label="dt"))
+        settle()
+    for _ in range(100):  # arrivals stop: parties go on, everyone else lets go
+        settle()
+        if not busy:
+            break
+        h.advance(1.0)
+        step_parties()
+        release(*sorted(j for j in holding if j in loners))
+        settle()
+    assert not busy, ("deadlock: waiters left", {g: [(w.job, w.gang) for w in h.s.groups[g].queue] for g in gpus})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fifo", "priority", "fair"])
+@SETTINGS
+@given(data=st.data())
+def test_parties_that_hold_and_ask_never_deadlock_with_gangs(policy: str, data: st.DataObject) -> None:
+    check_parties(policy, data)
+
+
+def test_the_party_check_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the party rule, a gang and a party that holds one of its groups deadlock."""
+    monkeypatch.setattr(Arbiter, "_passer", lambda self, group, gang: None)
+
+    @settings(max_examples=300, deadline=None, database=None, report_multiple_bugs=False, phases=[Phase.generate])
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        check_parties("fifo", data)
+
+    with pytest.raises(AssertionError, match="deadlock"):
+        run()

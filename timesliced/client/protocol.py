@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from ..env import (
     JOB_ENV,
     MEMORY_ENV,
     PARK_ENV,
+    PARTY_ENV,
     PRIORITY_ENV,
     TOKEN_ENV,
     WEIGHT_ENV,
@@ -82,6 +85,7 @@ class Member:
     memory: int | str | Mapping[int, int | str] | None
     priority: int
     weight: float
+    party: str  # who it acts for (``process_party`` unless named)
 
 
 def member(
@@ -93,6 +97,7 @@ def member(
     memory: int | str | Mapping[int, int | str] | None,
     priority: int | None,
     weight: float | None,
+    party: str | None = None,
     environ: Mapping[str, str] = os.environ,
 ) -> Member:
     """The client's job, group and registration, each from its argument or else from the environment.
@@ -101,6 +106,8 @@ def member(
     ``$TIMESLICED_PARK`` (a method's name, or the ``park`` map as JSON), ``$TIMESLICED_MEMORY``
     (a size), ``$TIMESLICED_GPUS`` (``0,1`` or ``visible``), ``$TIMESLICED_PRIORITY`` and
     ``$TIMESLICED_WEIGHT`` for the command it launches. An argument given (not None) always wins.
+    ``party`` is the process's, not the job's: ``$TIMESLICED_PARTY`` when set, else this process
+    (``process_party``), whatever job the client registers.
     Those registration settings are the launched job's: a client for another job or group than the
     environment names (a driver that also registers its samplers, say) takes none of them. Raises
     ``ValueError`` naming the variable when a value there is malformed, and when no job or group is
@@ -119,6 +126,8 @@ def member(
             f"no {missing} given: pass job= and group=, or launch the program with "
             f"`timesliced run --job J --group G -- CMD` (which sets ${JOB_ENV} and ${GROUP_ENV})"
         )
+    if party is None:
+        party = env(PARTY_ENV) or process_party()
     if (env(JOB_ENV) or job, env(GROUP_ENV) or group) != (job, group):  # another job's settings: not ours
         environ = {}
     if gpus is None and (text := env(GPUS_ENV)) is not None:
@@ -137,7 +146,18 @@ def member(
         priority = _env_number(env(PRIORITY_ENV), PRIORITY_ENV, int, 0, "an integer")
     if weight is None:
         weight = _env_number(env(WEIGHT_ENV), WEIGHT_ENV, float, 1.0, "a number")
-    return Member(job, group, gpus, park, memory, priority, weight)
+    return Member(job, group, gpus, park, memory, priority, weight, party)
+
+
+_party: tuple[int, str] | None = None  # (pid, party): a forked child makes its own
+
+
+def process_party() -> str:
+    """This process's party: its host and pid, and a random part so that no other process shares it."""
+    global _party
+    if _party is None or _party[0] != os.getpid():
+        _party = (os.getpid(), f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}")
+    return _party[1]
 
 
 def _env_number(text: str | None, name: str, kind: Callable[[str], N], default: N, what: str) -> N:
@@ -206,6 +226,7 @@ def register_args(
     *,
     priority: int = 0,
     weight: float = 1.0,
+    party: str = "",
 ) -> dict[str, Any]:
     """The ``register`` request's args.
 
@@ -213,8 +234,10 @@ def register_args(
     size string (``"20GiB"``) for each of its GPUs, or a dict GPU -> size; None declares nothing
     (the job then has its GPUs to itself when granted). ``priority`` (an integer, higher first) and
     ``weight`` (> 0, the job's share) are what its group's queue policy reads (``--policy``:
-    ``priority``, ``fair``); the job's first registration fixes them. Raises ``ValueError`` for a
-    size that is not one or is below a byte, and for a weight that is not a positive number.
+    ``priority``, ``fair``); the job's first registration fixes them. ``party``: who the session acts
+    for (a single acquire of a party that holds a group a gang waits for goes before that gang).
+    Raises ``ValueError`` for a size that is not one or is below a byte, for a weight that is not a
+    positive number, and for a party that is not a string of at most 256 characters.
 
     ``gpus``: the node's GPU numbers (NVML indices, as ``nvidia-smi`` and
     ``timesliced status`` show them; the simulated GPU's own numbers), ``None``
@@ -236,6 +259,10 @@ def register_args(
     args: dict[str, Any] = {"job": job, "group": group, "gpus": gpus, "pids": sorted({os.getpid(), *(pids or [])})}
     if priority or weight != 1.0:  # the defaults go unsaid: older daemons take the args as before
         args.update(priority=priority, weight=float(weight))
+    if not isinstance(party, str) or len(party) > 256:
+        raise ValueError(f"party must be a string of at most 256 characters, not {party!r}")
+    if party:
+        args["party"] = party
     if park is not None:
         spec = ParkSpec(park) if isinstance(park, str) else park
         if spec.method not in METHODS:

@@ -61,11 +61,12 @@ class ShellBase:
         memory: int | str | Mapping[int, int | str] | None = None,
         priority: int | None = None,
         weight: float | None = None,
+        party: str | None = None,
     ) -> None:
         if parked_access not in ("wait", "raise"):
             raise ValueError("parked_access must be 'wait' or 'raise'")
         # What is not given comes from the environment that `timesliced run` sets (explicit arguments win).
-        who = member(job, group, gpus=gpus, park=park, memory=memory, priority=priority, weight=weight)
+        who = member(job, group, gpus=gpus, park=park, memory=memory, priority=priority, weight=weight, party=party)
         self.job = job = who.job
         self.group = group = who.group
         self.address = resolve_address(address)
@@ -88,7 +89,17 @@ class ShellBase:
 
         self._core = ClientSession(
             job,
-            register_args(job, group, who.gpus, pids, who.park, who.memory, priority=who.priority, weight=who.weight),
+            register_args(
+                job,
+                group,
+                who.gpus,
+                pids,
+                who.park,
+                who.memory,
+                priority=who.priority,
+                weight=who.weight,
+                party=who.party,
+            ),
             hello_args(),
             address=str(self.address),
             auth=prove,

@@ -61,6 +61,13 @@ class Client(ShellBase):
     group's time) are what the group's queue policy reads (``--policy``); the
     job's first registration fixes them.
 
+    ``party``: who this client acts for; by default its process
+    (``$TIMESLICED_PARTY`` when set). A process that holds one group and asks
+    for another by a single acquire goes before a gang that waits for the group
+    it holds (kept behind the gang, neither would ever go on). Give processes
+    that hold and ask on each other's behalf (an RL run's trainer and sampler
+    actors) one party.
+
     ``parked_access``: what a simulated region access does while the job is
     preempted (parked by the daemon after its maximum slice, queued again):
     ``"wait"`` until the lock is granted back, or ``"raise"`` ``NotResident``.

@@ -53,6 +53,7 @@ class Register(Ask):
     memory_each: Annotated[int | None, Optional(BYTES)] = None
     priority: Annotated[int, PRIORITY] = 0  # what the group's queue policy reads (core JobRegistered)
     weight: Annotated[float, Float()] = 1.0
+    party: Annotated[str | None, Optional(NAME)] = None  # who the session acts for (core JobRegistered.party)
 
 
 @dataclass(frozen=True)

@@ -205,6 +205,7 @@ class ClusterNode:
         self.leader: str | None = None  # who opened it
         self.ready = False  # the leader rebuilt its state with our report: forward to it
         self.sessions: dict[int, str] = {}  # conn -> job
+        self.parties: dict[int, str] = {}  # conn -> the party it acts for, if it named one (Register.party)
         self.jobs: dict[str, LocalJob] = {}
         self.holders: dict[str, Holding] = {}  # group -> holder, as delivered here
         self.fences: dict[str, tuple[int, int]] = {}  # group -> highest (term, fence) delivered here
@@ -387,6 +388,7 @@ class ClusterNode:
         registering = any(isinstance(self._pending[r].ask, Register) and r in self._sent for r in reqs)
         notice = Closed(conn) if job_name is not None or registering else None
         self.sessions.pop(conn, None)
+        self.parties.pop(conn, None)
         for key in waits:
             del self.waiting[key]
         for req in reqs:
@@ -641,6 +643,8 @@ class ClusterNode:
         job.pids.update(ask.pids)
         job.gone = False
         self.sessions[ask.conn] = ask.job
+        if ask.party:
+            self.parties[ask.conn] = ask.party
 
     # --- messages from the leader ---------------------------------------------------------------
 
@@ -673,7 +677,8 @@ class ClusterNode:
         return NodeReport(
             devices=dict(self.devices),
             sessions=tuple(
-                ReportedSession(c, j, tuple(sorted(self.jobs[j].pids))) for c, j in sorted(self.sessions.items())
+                ReportedSession(c, j, tuple(sorted(self.jobs[j].pids)), self.parties.get(c))
+                for c, j in sorted(self.sessions.items())
             ),
             jobs=tuple(
                 ReportedJob(

@@ -310,6 +310,7 @@ class Orchestrator:
             memory_each=ask.memory_each,
             priority=ask.priority,
             weight=ask.weight,
+            party=ask.party or "",
         )
         group = self.scheduler.groups.get(ask.group)
         before = group.gpus if group is not None else ()

@@ -136,6 +136,7 @@ def adopt_sessions(orch: Orchestrator, reports: Reports, now: float, problems: l
                 memory_each=None if here is None else here.memory_each,
                 priority=job.priority,
                 weight=job.weight,
+                party=s.party or "",
             )
             try:
                 sched.handle(event, now)

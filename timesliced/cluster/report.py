@@ -26,6 +26,7 @@ class ReportedSession(Wire):
     conn: Annotated[int, CONN]
     job: Annotated[str, NAME]
     pids: Annotated[tuple[int, ...], Seq(Int())] = ()
+    party: Annotated[str | None, Optional(NAME)] = None  # as registered (cluster Register.party)
 
 
 @dataclass(frozen=True)

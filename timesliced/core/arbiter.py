@@ -8,7 +8,8 @@ head that cannot be made room for now waits, counted once as deferred.
 The head is the group's queue policy's choice (``policy.py``), made whenever the group is free
 and not switching; a choice that differs from arrival order is told to its job (``policy``
 notice, in the event log). A gang member's group, its switch done, waits until every group of
-the gang can grant its member, and then all are granted in one step (``gangs``).
+the gang can grant its member, and then all are granted in one step (``gangs``); the one single
+acquire let before it is a party's that holds another of the gang's groups (``_passer``).
 """
 
 from __future__ import annotations
@@ -326,13 +327,51 @@ class Arbiter:
         chosen, first = queue_policy.choose(policy, group, registry.jobs, queues.gangs)
         if chosen is None or first is None:
             return None
+        passer = self._passer(group, chosen.gang) if chosen.gang is not None else None
+        if passer is not None:
+            waiter, held = passer
+            if queues.promote(group, waiter):
+                why = f"its party holds group {held!r}, which gang {chosen.gang!r} waits for: behind the gang, it would"
+                self._tell_chosen(group, waiter, chosen, f"{why} never let that group go", gang=chosen.gang)
+            return waiter
         if queues.promote(group, chosen) and chosen is not first:
             jobs = registry.jobs
             ctx = Standing.of(j for j in jobs.values() if j.group == group.name and not j.exiting)
-            reason = queue_policy.why(policy, jobs[chosen.job], jobs[first.job], ctx)
-            data: dict[str, object] = {"group": group.name, "policy": policy.name, "passed": first.job}
-            self._emit(NotifyJob(chosen.job, "policy", {**data, "reason": reason}))
+            self._tell_chosen(group, chosen, first, queue_policy.why(policy, jobs[chosen.job], jobs[first.job], ctx))
         return chosen
+
+    def _tell_chosen(self, group: Group, chosen: Waiter, passed: Waiter, reason: str, **more: object) -> None:
+        """``chosen`` goes before ``passed``, who arrived first: its job is told why (the event log has it)."""
+        data = {"group": group.name, "policy": self.policies.policy(group.name).name, "passed": passed.job, **more}
+        self._emit(NotifyJob(chosen.job, "policy", {**data, "reason": reason}))
+
+    def _passer(self, group: Group, gang_name: str) -> tuple[Waiter, str] | None:
+        """A single acquire in ``group`` that goes before gang ``gang_name``, and the group it is let by for.
+
+        A gang takes its groups only together, and holds a free one while it waits for the rest. A
+        party (a process, or processes named as one: ``JobRegistered.party``) that holds another of
+        the gang's groups and now asks for this one by a single acquire would wait for the gang, which
+        waits for the party: neither would ever go on. So the first such acquire goes first; the gang
+        keeps its place and goes on once the party lets both groups go. Gangs and parties that ask for
+        groups in one order cannot deadlock this way; a party that holds one group while it asks for
+        another is the only wait a gang is passed for.
+        """
+        parties = self._registry.parties
+        if not parties:
+            return None
+        groups = self._registry.groups
+        holding: dict[str, str] = {}  # party -> a group of the gang it holds
+        for g in sorted(set(self._queues.gangs[gang_name].members.values()) - {group.name}):
+            for s in groups[g].holder_sessions:
+                if s in parties:
+                    holding.setdefault(parties[s], g)
+        if not holding:
+            return None
+        for w in sorted((w for w in group.queue if w.gang is None and w.tickets), key=lambda w: w.seq):
+            for s, _ in w.tickets:
+                if parties.get(s) in holding:
+                    return w, holding[parties[s]]
+        return None
 
     def _grant(self, group: Group, now: float, *, switch_s: float, restored: bool, switched: bool) -> None:
         head = group.queue[0]

@@ -43,6 +43,11 @@ class JobRegistered:
     # ``priority`` (higher first), ``weight`` is the job's share of the group under ``fair``.
     priority: int = 0
     weight: float = 1.0
+    # The party the session acts for: by default its process (the client makes one up), or what the
+    # user named for processes that work as one (an RL run's trainer and sampler actors). A single
+    # acquire of a party that holds a group a gang waits for may go before that gang (``arbiter``):
+    # kept behind it, the party would never let that group go. "": a party of its own.
+    party: str = ""
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves, gangs: Mapping
         assert used - grown <= cap, f"gpu {gpu} over capacity: {used} > {cap} ({grown} of it measured growth)"
     for s, name in sessions.items():
         assert s in jobs[name].sessions
+    assert set(registry.parties) <= set(sessions) and all(registry.parties.values()), "parties"
     for job in jobs.values():
         assert all(sessions.get(s) == job.name for s in job.sessions), job.name
         assert all(n >= 0 for n in job.footprint.values()), job.name

@@ -28,6 +28,7 @@ class Registry:
         self.groups: dict[str, Group] = {}
         self.jobs: dict[str, Job] = {}
         self.sessions: dict[SessionId, str] = {}  # session -> job
+        self.parties: dict[SessionId, str] = {}  # session -> the party it acts for (JobRegistered.party), if named
         # Indexes, so that the ledger's scans are proportional to a GPU's jobs, not to every job
         # (journaled like the rest; ``invariants.check`` holds them to ``jobs``):
         self.on_gpu: dict[int, dict[str, Job]] = {}  # gpu -> every job with memory counted there (and maybe more)
@@ -117,6 +118,9 @@ class Registry:
         job.sessions.add(ev.session)
         job.pids.update(ev.pids)
         self.sessions[ev.session] = ev.job
+        if ev.party:
+            journal.keep_key(self.parties, ev.session)
+            self.parties[ev.session] = ev.party
         return {"job": job.name, "group": group.name, "gpus": list(group.gpus), "location": job.location.value}
 
     def _check_memory(self, name: str, memory: dict[int, int] | None, job: Job | None, gpus: tuple[int, ...]) -> None:
@@ -190,6 +194,8 @@ class Registry:
             return None
         job = self.jobs[name]
         self._journal.delete(self.sessions, session)
+        if session in self.parties:
+            self._journal.delete(self.parties, session)
         self._journal.keep_set(job.sessions)
         job.sessions.discard(session)
         return job
@@ -214,6 +220,8 @@ class Registry:
         for s in job.sessions:
             if s in self.sessions:
                 journal.delete(self.sessions, s)
+            if s in self.parties:
+                journal.delete(self.parties, s)
 
     def forget_group(self, name: str) -> Group:
         """Raises ``ValueError`` while the group has jobs."""

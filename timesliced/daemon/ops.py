@@ -22,6 +22,7 @@ from ..wire.messages import (
     arg_int_list,
     arg_memory,
     arg_opt_float,
+    arg_party,
     arg_priority,
     arg_str,
     arg_weight,
@@ -106,6 +107,7 @@ class ClientOps:
             memory_each=None if self.park_every_handoff else memory_each,
             priority=priority,
             weight=weight,
+            party=arg_party(args) or None,
         )
         result = self._forward(conn, request)
         self.jobs.park[job] = spec  # the same as before, or the job is not (yet) registered here

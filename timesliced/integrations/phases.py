@@ -10,8 +10,8 @@ a controller that drives the phases (veRL's ``RayPPOTrainer.fit``, OpenRLHF's PP
 Why a weight sync never deadlocks. It asks for the trainer's and the sampler's locks as one gang
 (``timesliced.client.gang.acquire_gang``, the trainer first), which the daemon grants whole or not
 at all, ordering every gang alike in each group. Holding one lock while waiting for the other
-would not do: a job holding the trainer pool and asking for the sampler's queues behind another
-job's gang that waits for the trainer pool, and neither moves. So a weight sync inside a train or
+would not do: a run training (holding the trainer pool) and a run rolling out (holding the
+sampler's) that each ask for the other's pool wait for each other for ever. So a weight sync inside a train or
 rollout phase first gives back the lock it holds, takes both as a gang, and at its end keeps the
 lock the enclosing phase needs (the job's state may be parked meanwhile, as at any yield). For the
 same reason a rollout may not begin inside a train phase, nor a train phase inside a rollout

@@ -127,6 +127,16 @@ MAX_PRIORITY = 1_000_000  # |priority| of a job (``register``)
 MAX_GANG = 64  # members of one gang (``acquire``)
 
 
+def arg_party(args: dict[str, Any]) -> str:
+    """``register``'s ``party``: who the session acts for (a process, or processes that work as one); "": none said."""
+    value = args.get("party", "")
+    if not isinstance(value, str) or len(value) > 256:
+        raise BadRequest(
+            "argument 'party' must be a string of at most 256 characters (the client names its process by default)"
+        )
+    return value
+
+
 def arg_priority(args: dict[str, Any]) -> int:
     """``register``'s ``priority``: an integer (default 0), higher first under the ``priority`` policy."""
     value = args.get("priority", 0)
