@@ -145,10 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(the busiest GPU's work or the longest job alone). Exits 1 if any mode lost a byte or overlapped two jobs.",
     )
     workload.add_argument(
-        "--scenario", type=Path, default=None, metavar="FILE", help="a TOML scenario (default: the published shape)"
+        "--scenario",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a TOML scenario, or a packaged one by name: short-gaps (two SFT jobs that cannot share a GPU, with "
+        "short data loads over a slow link) (default: the published shape)",
     )
     workload.add_argument(
-        "--modes", default=None, metavar="M,...", help="modes to run, comma-separated (default: all four)"
+        "--modes",
+        default=None,
+        metavar="M,...",
+        help="modes to run, comma-separated (default: the four above; also anticipating: the daemon with "
+        "--anticipate 5)",
     )
     workload.add_argument("--quick", action="store_true", help="the scenario's [quick] clock and share of iterations")
     workload.add_argument("--json", action="store_true", help="print one JSON object")
@@ -279,6 +288,15 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
         help="do not restore the next waiter beside the holder before its turn (it is restored at its grant)",
     )
     residency.add_argument(
+        "--anticipate",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="keep the turn of a holder that yielded, for at most S seconds, when its measured gaps are shorter "
+        "than parking it for the next waiter and coming back would take; each decision is in the event log "
+        "(default: 0, never)",
+    )
+    residency.add_argument(
         "--park-every-handoff",
         action="store_true",
         help="every handoff with a waiter parks the outgoing job even when both fit: the behaviour of systems "
@@ -366,6 +384,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         memory_headroom=args.memory_headroom,
         prefetch=not args.no_prefetch,
         park_every_handoff=args.park_every_handoff,
+        anticipate=args.anticipate,
     )
     try:
         config.slice_policies = dict(
@@ -383,6 +402,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         raise SystemExit(f"timesliced: {exc}") from None
     if args.lease < 0 or args.recovery_grace < 0:
         raise SystemExit("timesliced: --lease and --recovery-grace must be >= 0 seconds")
+    if not 0 <= args.anticipate < float("inf"):  # NaN fails too
+        raise SystemExit("timesliced: --anticipate must be a number of seconds >= 0 (0: never keep a turn)")
     if args.web is None:
         config.web, config.web_any_port = DEFAULT_WEB, True
     elif args.web != "off":

@@ -133,6 +133,9 @@ class DaemonConfig:
     # A switch whose restore needs parked jobs' room starts both together (RestoreJob.streams_with); the
     # shell streams them where its backend can, else runs the restore once the snapshots are done.
     stream_switches: bool = True
+    # Keep the turn of a holder that yielded, for at most this many seconds, when its measured gaps are
+    # shorter than parking it for the next waiter and coming back would take (core/anticipation.py). 0: never.
+    anticipate: float = 0.0
     host_root: Path = Path("/")  # where /proc and /sys are read from (tests point it at a fake tree)
     recovery_grace: float = 30.0  # after a restart, how long the jobs of the journal keep their turns
     # Fault injection for crash tests: points at which the daemon kills itself with SIGKILL

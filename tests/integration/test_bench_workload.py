@@ -131,3 +131,22 @@ def test_bench_workload_quick_runs_every_mode_without_losing_a_byte(tmp_path: Pa
     assert report["modes"]["timesliced"]["bytes_moved"] > 0
     assert report["modes"]["dedicated"]["bytes_moved"] == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # matplotlib comes with the test extra
+
+
+@pytest.mark.slow
+def test_bench_workload_runs_the_packaged_short_gaps_scenario_with_anticipation() -> None:
+    args = ["bench", "workload", "--scenario", "short-gaps", "--quick", "--modes", "timesliced,anticipating", "--json"]
+    result = subprocess.run(
+        [sys.executable, "-m", "timesliced", *args],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["scenario"] == "the packaged scenario (short-gaps.toml)"
+    assert set(report["modes"]) == {"timesliced", "anticipating"}
+    for name, mode in report["modes"].items():
+        assert mode["data_errors"] == 0 and mode["overlaps"] == 0, (name, mode["error_notes"])
+        assert {s["job"] for s in mode["timeline"]} == {"sft-a-trainer", "sft-b-trainer"}, name

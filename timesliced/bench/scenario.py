@@ -135,10 +135,15 @@ class Scenario:
 
 
 def load(path: str | Path | None = None) -> Scenario:
-    """The scenario in ``path`` (the packaged default when None). Raises ``ValueError`` naming the bad key."""
-    if path is None:
-        text = resources.files("timesliced.bench").joinpath(f"scenarios/{DEFAULT}").read_text()
-        source = f"the default scenario ({DEFAULT})"
+    """The scenario in ``path``, or the packaged one it names (``short-gaps``; the default when None).
+
+    Raises ``ValueError`` naming the bad key.
+    """
+    shipped = resources.files("timesliced.bench").joinpath("scenarios")
+    name = DEFAULT if path is None else f"{path}.toml"
+    if path is None or (not Path(path).exists() and "/" not in str(path) and shipped.joinpath(name).is_file()):
+        text = shipped.joinpath(name).read_text()
+        source = f"the {'default' if path is None else 'packaged'} scenario ({name})"
     else:
         try:
             text = Path(path).read_text()

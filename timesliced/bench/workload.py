@@ -4,7 +4,8 @@ Two synchronous RL jobs and one SFT job (``scenario.py``, from a TOML file) run 
 processes on a real daemon process (``serve --backend sim``) with checked bytes, in four modes
 (``MODES``): ``dedicated`` (a GPU per worker), ``serial`` (one job after another on the two
 shared GPUs), ``reference`` (time-sliced, parking on every handoff, no prefetch) and
-``timesliced`` (the daemon as it is). Each mode gets a fresh daemon.
+``timesliced`` (the daemon as it is). A fifth, ``anticipating`` (``--modes`` names it), is the
+daemon with switch-cost awareness (``--anticipate``). Each mode gets a fresh daemon.
 
 How the jobs map onto the daemon: every worker process is a registered job of its own, since a
 job belongs to one group. An RL job ``rl-a`` is ``rl-a-sampler`` (group ``sampler``, the sampler
@@ -66,6 +67,7 @@ class Mode:
     daemon_flags: tuple[str, ...] = ()
     declare_memory: bool = False
     about: str = ""
+    default: bool = True  # run when no ``--modes`` are named
 
 
 MODES: dict[str, Mode] = {
@@ -81,6 +83,15 @@ MODES: dict[str, Mode] = {
             about="time-sliced FIFO that parks on every handoff, no prefetch",
         ),
         Mode("timesliced", "shared", False, declare_memory=True, about="the daemon as it is, memory declared"),
+        Mode(
+            "anticipating",
+            "shared",
+            False,
+            daemon_flags=("--anticipate", "5"),
+            declare_memory=True,
+            about="the daemon with switch-cost awareness (--anticipate 5), memory declared",
+            default=False,
+        ),
     )
 }
 
@@ -558,7 +569,7 @@ def run_workload(
     scenario: Scenario, modes: list[str] | None = None, progress: Callable[[str], Any] = lambda _m: None
 ) -> dict[str, Any]:
     """Every chosen mode (all by default) one after another; the report ``--json`` prints."""
-    names = modes or list(MODES)
+    names = modes or [name for name, mode in MODES.items() if mode.default]
     unknown = [m for m in names if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")

@@ -139,6 +139,7 @@ class Orchestrator:
             prefetch=r.prefetch,
             stream_switches=r.stream_switches,
             queue_policies=queue_policies,
+            anticipate_s=r.anticipate_s,
         )
         self.op_timeout = op_timeout
         self.job_nodes: dict[str, set[int]] = {}  # job -> slots where it has sessions or state

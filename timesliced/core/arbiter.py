@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from ..errors import TimeslicedError
+from . import anticipation
 from . import policy as queue_policy
 from .events import Effect, GrantLock, NotifyJob
 from .figures import Figures
@@ -56,15 +57,18 @@ class Arbiter:
         *,
         prefetch: bool = True,
         stream: bool = False,
+        anticipate_s: float = 0.0,
     ) -> None:
         """``policies``: each group's queue policy; ``prefetch``: restore a held group's next waiter into
         free room (``_prefetch``); ``stream``: start a switch's restore with the snapshots that make its
-        room (``_start_switch``)."""
+        room (``_start_switch``); ``anticipate_s``: keep a yielded holder's turn for at most this long
+        when it will be back before a switch would pay (``anticipate``; 0: never)."""
         self.policies = policies or QueuePolicies({})
         # The scheduler's frozen groups, read when a gang's grant looks at its other groups.
         self.frozen: Callable[[], Mapping[str, str]] = dict
         self._prefetching = prefetch
         self._streaming = stream
+        self._anticipate_s = anticipate_s
         self._registry = registry
         self._queues = queues
         self._ledger = ledger
@@ -183,6 +187,35 @@ class Arbiter:
         self._journal.fields(job, HELD)
         job.held_s += now - group.held_since  # what ``fair`` decides by
         self._queues.vacate(group)
+
+    def anticipate(self, group: Group, job: Job, now: float) -> None:
+        """``job`` just yielded ``group``: keep its turn if it will be back before a switch would pay.
+
+        Only when the group's next waiter needs ``job`` parked, has not been kept waiting so in this
+        wait, and no gang waits in the group (``core/anticipation.py``). The decision is told to
+        ``job`` as a ``policy`` notice (the event log has it).
+        """
+        if self._anticipate_s <= 0 or group.draining or group.name in self.frozen():
+            return
+        if not self._queues.others_wait(group) or any(w.gang is not None for w in group.queue):
+            return
+        head = self.next_waiter(group)
+        if head is None or not head.tickets or head.delayed:
+            return
+        incoming = self._registry.jobs[head.job]
+        if incoming.location is not Location.RESIDENT and incoming.location is not Location.PARKED:
+            return
+        plan = self._ledger.plan_room(incoming, now)
+        keep = anticipation.decide(job, incoming, plan, now, self._anticipate_s) if isinstance(plan, list) else None
+        if keep is None:
+            return
+        self._queues.keep_for_holder(group, job.name, keep.until, now)
+        reason = (
+            f"kept for {job.name!r} until it asks again, at most {keep.until - now:.3f} s: its typical gap is "
+            f"{keep.gap_s:.3f} s, and parking it for {incoming.name!r} and coming back would take {keep.switch_s:.3f} s"
+        )
+        data = {"group": group.name, "policy": self.policies.policy(group.name).name, "passed": incoming.name}
+        self._emit(NotifyJob(job.name, "policy", {**data, "kept_s": keep.until - now, "reason": reason}))
 
     def move_finished(self, op: int, now: float, failed: TimeslicedError | None = None) -> None:
         """Move ``op`` ended: a switch that waited for it alone goes on.
@@ -321,6 +354,8 @@ class Arbiter:
     def _choose(self, group: Group) -> Waiter | None:
         """The group's policy's choice, made its head; a choice other than arrival order is told."""
         registry, queues = self._registry, self._queues
+        if group.queue[0].anticipated:
+            return group.queue[0]  # a turn kept for the holder that yielded: nobody goes before it
         policy = self.policies.policy(group.name)
         if policy.name == "fifo" and not queues.gangs:
             return group.queue[0]  # arrival order, and nothing waits apart: the head it always was

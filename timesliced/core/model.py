@@ -44,6 +44,8 @@ class Waiter:
     kept_until: float | None = None  # a turn kept without requests (see ``keep_turn``) lapses then
     seq: int = 0  # its place in the arrival order of all groups' waiters (``LockQueues.seq``)
     gang: str | None = None  # the gang it is a member of (core/gangs.py)
+    anticipated: bool = False  # a turn kept at the head for the holder that just yielded (core/anticipation.py)
+    delayed: bool = False  # it waited while such a turn was kept: no other is kept before it is granted
 
 
 @dataclass
@@ -101,6 +103,11 @@ class Job:
     priority: int = 0
     weight: float = 1.0
     held_s: float = 0.0
+    # What switch-cost awareness decides by (core/anticipation.py; scheduling state too): when it last
+    # released its group, its last gaps (release to its next acquire) and its last moves' durations.
+    released_at: float | None = None
+    gaps: tuple[float, ...] = ()
+    move_times: tuple[float, ...] = ()
     # figures
     slices: int = 0
     preemptions: int = 0

@@ -30,6 +30,7 @@ KEPT = Fields("kept_until")
 SEQ = Fields("seq")
 FORMED = Fields("seq", "formed_at")
 PLACE = Fields("seq")
+DELAYED = Fields("delayed")
 MAX_GANG = 64  # members of one gang
 
 
@@ -158,6 +159,27 @@ class LockQueues:
         seq = self.next_seq()
         self._journal.keep_list(group.queue)
         group.queue.append(Waiter(job, now, kept_until=until, seq=seq))
+
+    def keep_for_holder(self, group: Group, job: str, until: float, now: float) -> None:
+        """A turn for ``job``, which just yielded, at the head until ``until`` (``core/anticipation.py``).
+
+        Every waiter that asks now is marked ``delayed``: none of them is kept waiting so again.
+        """
+        journal = self._journal
+        for w in group.queue:
+            if w.tickets and not w.delayed:
+                journal.fields(w, DELAYED)
+                w.delayed = True
+        seq = self.next_seq()
+        journal.keep_list(group.queue)
+        group.queue.insert(0, Waiter(job, now, kept_until=until, seq=seq, anticipated=True))
+
+    def end_kept_turn(self, group: Group, job: str) -> None:
+        """``job``'s turn kept without requests, if any, goes (it asks as a gang member instead)."""
+        waiter = self.waiter(group, job)
+        if waiter is not None and not waiter.tickets:
+            self._journal.keep_list(group.queue)
+            group.queue.remove(waiter)
 
     def drop(self, group: Group, waiter: Waiter, ticket: Ticket) -> None:
         """``ticket`` no longer waits, and is not answered; a place left without requests goes."""

@@ -17,11 +17,12 @@ from .model import Job
 @dataclass(frozen=True)
 class Options:
     """How the scheduler plans residency (see ``Scheduler``): headroom kept free beside declared jobs,
-    prefetch of the next waiter, streamed switches."""
+    prefetch of the next waiter, streamed switches, and how long a yielded holder's turn may be kept."""
 
     memory_headroom: int = 0
     prefetch: bool = True
     stream_switches: bool = False
+    anticipate_s: float = 0.0
 
 
 def alone(job: Job) -> bool:

@@ -52,6 +52,7 @@ from typing import Any, ParamSpec, TypeVar
 from .. import errors
 from ..wire.status import SchedulerPicture
 from . import invariants, status
+from .anticipation import recent
 from .arbiter import Arbiter
 from .events import (
     AcquireRequested,
@@ -95,6 +96,8 @@ FROZEN = Fields("_frozen")
 FAULTED = Fields("faulted")
 EXITING = Fields("exiting")
 DRAINING = Fields("draining")
+GAPS = Fields("gaps", "released_at")
+MOVE_TIMES = Fields("move_times")
 
 
 class Scheduler:
@@ -110,6 +113,7 @@ class Scheduler:
         prefetch: bool = True,
         stream_switches: bool = False,
         queue_policies: dict[str, QueuePolicy] | None = None,
+        anticipate_s: float = 0.0,
     ) -> None:
         """``policies``: group -> its ``SlicePolicy``; ``queue_policies``: group -> its ``QueuePolicy``
         (default ``fifo``); in both the key ``"*"`` is every other group's.
@@ -117,8 +121,9 @@ class Scheduler:
         ``memory_headroom``: bytes kept free on each GPU of a job that declared its memory;
         ``prefetch``: restore a held group's head waiter into free room before its turn;
         ``stream_switches``: a restore that needs parked jobs' room starts with their snapshots,
-        streaming into the room as it frees (``RestoreJob.streams_with``). Raises ``ValueError``
-        for no GPUs or a negative headroom.
+        streaming into the room as it frees (``RestoreJob.streams_with``); ``anticipate_s``: keep a
+        yielded holder's turn for at most this long when its gaps are shorter than a switch away and
+        back (``anticipation``; 0: never). Raises ``ValueError`` for no GPUs or a negative headroom.
         """
         if not capacities:
             raise ValueError("a scheduler needs at least one GPU")
@@ -149,6 +154,7 @@ class Scheduler:
             self.queue_policies,
             prefetch=prefetch,
             stream=stream_switches,
+            anticipate_s=anticipate_s,
         )
         self.arbiter.frozen = lambda: self._frozen
         self._rebuild = Rebuild(self.registry, self.ledger, self.queues, self.moves, journal)
@@ -395,10 +401,18 @@ class Scheduler:
             return
         if group.draining:
             raise errors.GroupDraining(f"group {group.name!r} is drained by an administrator; try again later")
+        self._gap_ended(job, now)
         if ev.gang is not None:
+            self.queues.end_kept_turn(group, job.name)
             self.queues.join_gang(group, job.name, ticket, ev.deadline, ev.gang, ev.members, now)
             return
         self.queues.enqueue(group, job.name, ticket, ev.deadline, now)
+
+    def _gap_ended(self, job: Job, now: float) -> None:
+        """``job`` asks again after releasing its group: the gap it took counts (``anticipation``)."""
+        if job.released_at is not None:
+            self._journal.fields(job, GAPS)
+            job.gaps, job.released_at = recent(job.gaps, now - job.released_at), None
 
     def _on_cancel(self, ev: AcquireWithdrawn, now: float) -> dict[str, bool]:
         job = self.registry.job_of(ev.session)
@@ -423,6 +437,9 @@ class Scheduler:
         held_s = now - group.held_since
         if self.queues.leave(group, ev.session):
             self.arbiter.yield_lock(group, now)
+            self._journal.fields(job, GAPS)
+            job.released_at = now
+            self.arbiter.anticipate(group, job, now)
         return {"group": group.name, "fence": group.fence, "held_s": held_s}
 
     def _on_memory_requested(self, ev: MemoryRequested, now: float) -> None:
@@ -462,6 +479,9 @@ class Scheduler:
         group = self.groups[job.group]
         done = {Cause.SNAPSHOT_DONE: "snapshot", Cause.RESTORE_DONE: "restore"}.get(cause)
         self.figures.moved(group, job, ev.nbytes, done)
+        if done is not None:
+            self._journal.fields(job, MOVE_TIMES)
+            job.move_times = recent(job.move_times, ev.seconds if ev.seconds > 0 else now - move.started_at)
         if cause is Cause.SNAPSHOT_DONE:
             self.host.parked(job, ev.by_slot, ev.nbytes)
         elif cause in (Cause.RESTORE_DONE, Cause.RESTORE_UNKNOWN):

@@ -92,6 +92,7 @@ class Daemon:
                 memory_headroom=config.memory_headroom,
                 prefetch=config.prefetch,
                 stream_switches=config.stream_switches,
+                anticipate_s=config.anticipate,
             ),
             queue_policies=config.queue_policies,
         )
