@@ -137,7 +137,8 @@ def test_a_missing_table_or_file_is_named(tmp_path: Path) -> None:
 
 def test_the_modes_place_workers_as_documented() -> None:
     s = sc.load()
-    assert list(MODES) == ["dedicated", "serial", "reference", "timesliced"]
+    assert [m for m in MODES if MODES[m].default] == ["dedicated", "serial", "reference", "timesliced"]
+    assert MODES["anticipating"].daemon_flags == ("--anticipate", "5") and MODES["anticipating"].declare_memory
     gpus, where = placement(s, MODES["dedicated"])
     assert gpus == 5 and sorted(gpu for _group, gpu in where.values()) == [0, 1, 2, 3, 4]
     assert len({group for group, _gpu in where.values()}) == 5
