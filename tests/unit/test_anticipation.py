@@ -96,7 +96,7 @@ def test_a_holder_back_sooner_than_a_switch_keeps_its_turn() -> None:
     h.acquire(s["A"])
     effects = settle(h)
     (grant,) = only(effects, GrantLock)  # back within the window: granted with nothing moved
-    assert (grant.job, grant.restored, grant.switch_s) == ("A", False, 0.0)
+    assert (grant.job, grant.restored, grant.switch_s, grant.waited_s) == ("A", False, 0.0, 0.0)
     h.advance(1.0)
     h.release(s["A"])  # B was kept waiting once already: this time it is switched to
     effects = settle(h)

@@ -26,7 +26,7 @@ from .undo import Fields, Journal
 
 LOCK = Fields("holder", "holder_sessions", "held_since", "overdue_since", "fence", "last_holder")
 BLOCKED = Fields("blocked", "waiting_for")
-KEPT = Fields("kept_until")
+KEPT = Fields("kept_until", "enqueued_at")
 SEQ = Fields("seq")
 FORMED = Fields("seq", "formed_at")
 PLACE = Fields("seq")
@@ -126,6 +126,8 @@ class LockQueues:
                 raise errors.LimitExceeded(f"job {job!r} already has {MAX_REQUESTS_PER_JOB} acquires waiting")
             journal.keep_dict(waiter.tickets)
             journal.fields(waiter, KEPT)
+            if waiter.anticipated and not waiter.tickets:
+                waiter.enqueued_at = now  # the holder kept for asks again: its wait starts now
         waiter.kept_until = None
         waiter.tickets[ticket] = deadline
         if deadline is not None:
