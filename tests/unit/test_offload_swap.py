@@ -78,7 +78,7 @@ def test_what_is_granted_never_exceeds_the_free_room_plus_what_was_freed() -> No
     rng = random.Random(14)
     for _ in range(200):
         free = {g: rng.randrange(0, 4) * R for g in range(2)}
-        r, sent = relay(free)
+        r, _sent = relay(free)
         freed = dict.fromkeys(range(2), 0)
         for directive in range(rng.randrange(1, 4)):
             need = None if rng.random() < 0.2 else {g: rng.randrange(0, 6) * R for g in range(2)}
@@ -161,7 +161,7 @@ def test_a_streamed_park_frees_each_region_before_it_says_so() -> None:
 
 
 def test_a_streamed_park_that_fails_part_way_rolls_nothing_back() -> None:
-    off, events, mine = traced()
+    off, _events, mine = traced()
     calls = {"n": 0}
     unmap = off.memory.unmap
 
@@ -201,7 +201,7 @@ def test_a_streamed_unpark_maps_only_into_the_room_it_was_granted() -> None:
 
 
 def test_a_streamed_unpark_that_is_called_off_leaves_every_region_parked() -> None:
-    off, events, mine = traced()
+    off, _events, mine = traced()
     off.park()
     room = Room({0: R})
     room_end = threading.Timer(0.05, room.end, ("the park failed",))
