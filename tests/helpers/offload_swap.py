@@ -11,7 +11,10 @@ one call of the fake fail once, as a driver error would.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,20 +56,25 @@ class Memory(HostDeviceMemory):
         super().copy_to_host_async(dst, va, nbytes)
 
 class Traced(Offloader):
+    # The bandwidth paces the moves only: the job's own reads and writes of its regions are free.
     def park(self, tags=(), **kw):
         note("park-start")
+        self.memory.bandwidth = bandwidth
         try:
             return super().park(tags, **kw)
         finally:
+            self.memory.bandwidth = None
             note("park-end")
     def unpark(self, tags=(), **kw):
         note("unpark-start")
+        self.memory.bandwidth = bandwidth
         try:
             return super().unpark(tags, **kw)
         finally:
+            self.memory.bandwidth = None
             note("unpark-end")
 
-memory = Memory(gpus=1, bandwidth=bandwidth, trace=note)
+memory = Memory(gpus=1, trace=note)
 off = Traced(memory, verify=True)
 mine = [off.alloc(2 << 20, tag="weights") for _ in range(regions)]
 expected, data_errors, restored, failures = {}, 0, 0, []
@@ -202,3 +210,24 @@ def results(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[di
         assert p.returncode == 0, stderr[-4000:]
         out.append(json.loads(stdout.strip().splitlines()[-1]))
     return out
+
+
+def serve(state: Path, crash_at: str = "") -> subprocess.Popen[bytes]:
+    """``timesliced serve`` on ``state`` (one 24 MiB simulated GPU, no headroom); returns once it answers."""
+    from timesliced.bench.common import answers
+
+    cmd = [
+        sys.executable, "-m", "timesliced", "serve", "--backend", "sim", "--web", "off", "--gpus", "1",
+        "--gpu-memory", "24MiB", "--memory-headroom", "0", "--state-dir", str(state),
+        "--socket", str(state / "timesliced.sock"), "--log-level", "INFO",
+    ]  # fmt: skip
+    env = {**os.environ, "TIMESLICED_CRASH_AT": crash_at}
+    with open(state / "daemon.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not answers(str(state / "timesliced.sock")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError((state / "daemon.log").read_text()[-3000:])
+        time.sleep(0.05)
+    return proc

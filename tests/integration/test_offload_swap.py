@@ -20,7 +20,8 @@ from timesliced.config import DaemonConfig
 from timesliced.daemon.embedded import EmbeddedDaemon
 
 from ..helpers.daemon import serving
-from ..helpers.offload_swap import read_trace, results, spawn_worker, streaming_problems, swaps
+from ..helpers.offload_swap import read_trace, results, serve, spawn_worker, streaming_problems, swaps
+from ..helpers.processes import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -79,3 +80,110 @@ def test_a_switch_streams_the_restore_into_the_room_the_park_frees(tmp_path: Pat
             park = next(d for d in a + b if d.kind == "park" and d.events and d.end <= unpark.start + 0.05)
             assert streaming_problems(park, unpark)
         assert not any(m["swap_with"] for m in doc["moves"]["recent"])
+
+
+# --- failure rules -----------------------------------------------------------------------------------
+# Every park after the first is one side of a swap; a job's memory calls count from its start: its
+# allocation maps 8 regions, each park copies and unmaps 8, each unpark maps 8.
+
+
+def run_pair(tmp_path: Path, fault: dict[str, tuple[str, int]]) -> tuple[dict[str, Any], ...]:
+    with serving(config(tmp_path)) as daemon:
+        procs = [
+            spawn_worker(name, daemon.socket, tmp_path / f"{name}.trace", fault=fault.get(name)) for name in ("a", "b")
+        ]
+        outs = results(procs)
+        doc = status(daemon)
+    return outs[0], outs[1], doc
+
+
+def test_a_park_that_fails_after_passing_room_on_is_finished_and_the_restore_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b, doc = run_pair(tmp_path, {"a": ("unmap", 10)})  # its second park: one region freed and passed on
+    assert [a["data_errors"], b["data_errors"]] == [0, 0]
+    assert [a["failures"], b["failures"]] == [[], []]
+    assert "finishing the park" in caplog.text and "injected failure of unmap #10" in caplog.text
+    assert not any(job(doc, n)["faulted"] for n in ("a", "b"))
+
+
+def test_a_park_that_fails_before_passing_room_on_is_undone_and_the_restore_called_off(
+    tmp_path: Path,
+) -> None:
+    a, b, doc = run_pair(tmp_path, {"a": ("copy_to_host", 9)})  # its second park's first copy: nothing freed
+    assert [a["data_errors"], b["data_errors"]] == [0, 0]
+    assert a["failures"] == []
+    first = b["failures"][0]
+    assert "was called off" in first and "could not be parked" in first and "copy_to_host #9" in first
+    assert "intact in host memory" in first
+    a_now, b_now = job(doc, "a"), job(doc, "b")
+    assert not a_now["faulted"] and not b_now["faulted"]
+    assert a_now["location"] == "resident" and "copy_to_host #9" in (a_now["park_refused"] or "")
+
+
+def test_a_restore_that_fails_is_undone_while_the_park_goes_on(tmp_path: Path) -> None:
+    a, b, doc = run_pair(tmp_path, {"b": ("map", 9)})  # its first unpark's first map
+    assert [a["data_errors"], b["data_errors"]] == [0, 0]
+    assert a["failures"] == []
+    assert len(b["failures"]) == 1 and "injected failure of map #9" in b["failures"][0]
+    assert "stays parked" in b["failures"][0] or "intact in host memory" in b["failures"][0]
+    assert not any(job(doc, n)["faulted"] for n in ("a", "b"))
+    snapshots = [m for m in doc["moves"]["recent"] if m["kind"] == "snapshot" and m["job"] == "a" and m["swap_with"]]
+    assert snapshots  # a's side of the failed swap stood
+
+
+def mid_park(trace: Path) -> bool:
+    """The job is part way through a park that frees room (a swap's outgoing side)."""
+    if not trace.exists():
+        return False
+    lines = trace.read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.split()[1] == "park-start"]
+    if len(starts) < 2:  # the first park may be a lone one
+        return False
+    tail = [line.split()[1] for line in lines[starts[-1] :]]
+    return "park-end" not in tail and tail.count("unmap") >= 2
+
+
+def test_a_process_killed_mid_swap_faults_its_job_and_the_other_is_restored(tmp_path: Path) -> None:
+    with serving(config(tmp_path)) as daemon:
+        procs = [
+            spawn_worker(name, daemon.socket, tmp_path / f"{name}.trace", rounds=4, bandwidth=10e6)
+            for name in ("a", "b")
+        ]
+        try:
+            wait_for(lambda: mid_park(tmp_path / "a.trace"), timeout=60, interval=0.005)
+        finally:
+            procs[0].kill()
+        procs[0].communicate(timeout=10)
+        for stage in ("finished", "checked"):  # the barriers of the job that is gone
+            (tmp_path / f"a.{stage}").touch()
+        (b,) = results(procs[1:])
+        doc = status(daemon)
+    assert b["data_errors"] == 0 and b["failures"] == []
+    assert b["resident"] == {"0": 16 * MiB}
+    assert all(j["job"] != "a" or j["faulted"] for j in doc["jobs"])  # faulted, or reclaimed once seen gone
+
+
+def test_a_daemon_killed_mid_swap_loses_no_byte(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    daemon = serve(state, crash_at="mid-restore")
+    socket = str(state / "timesliced.sock")
+    procs = [spawn_worker(name, socket, tmp_path / f"{name}.trace", rounds=3, bandwidth=10e6) for name in "ab"]
+    try:
+        assert daemon.wait(60) == -9  # killed as the first swap ran
+        daemon = serve(state)  # the same state: it takes both jobs up and the clients reconnect
+        a, b = results(procs, timeout=180)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=10)
+        daemon.terminate()
+        daemon.wait(10)
+    assert [a["data_errors"], b["data_errors"]] == [0, 0], (a, b)
+    assert all(f.startswith("lost: ") for f in a["failures"] + b["failures"]), (a, b)
+    log = (state / "daemon.log").read_text()
+    assert "crash point mid-restore" in log  # the first restore is the first swap: the daemon died in it
+    assert "took up job 'a' from the last run: parked" in log and "took up job 'b' from the last run: parked" in log
+    assert "swapped with" in log.split("crash point")[1]  # and swaps went on after the restart
