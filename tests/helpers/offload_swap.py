@@ -29,7 +29,7 @@ import timesliced
 from timesliced import errors
 from timesliced.client.offload import HostDeviceMemory, Offloader
 
-job, address, rounds, trace_path, regions, bandwidth, fault = sys.argv[1:8]
+job, address, rounds, trace_path, regions, bandwidth, fault, device = sys.argv[1:9]
 rounds, regions, bandwidth, fault = int(rounds), int(regions), float(bandwidth), json.loads(fault)
 trace = open(trace_path, "a", buffering=1)
 folder = os.path.dirname(trace_path)
@@ -39,7 +39,12 @@ def note(event, gpu=0, nbytes=0):
     with lock:
         trace.write(f"{time.monotonic():.6f} {event} {gpu} {nbytes}\n")
 
-class Memory(HostDeviceMemory):
+if device == "cuda":  # a real GPU (tests/gpu): the same trace around the driver's map and unmap
+    from timesliced.client.offload import CudaDeviceMemory as Base
+else:
+    Base = HostDeviceMemory
+
+class Memory(Base):
     calls = {}
     def _maybe_fail(self, call):
         n = self.calls[call] = self.calls.get(call, 0) + 1
@@ -48,33 +53,41 @@ class Memory(HostDeviceMemory):
     def map(self, va, nbytes):
         self._maybe_fail("map")
         super().map(va, nbytes)
+        if device == "cuda":
+            note("map", 0, nbytes)
     def unmap(self, va, nbytes):
         self._maybe_fail("unmap")
         super().unmap(va, nbytes)
+        if device == "cuda":
+            note("unmap", 0, nbytes)
     def copy_to_host_async(self, dst, va, nbytes):
         self._maybe_fail("copy_to_host")
         super().copy_to_host_async(dst, va, nbytes)
 
+def pace(on):
+    # The stand-in's bandwidth paces the moves only: the job's own reads and writes of its regions are free.
+    if device != "cuda":
+        memory.bandwidth = (bandwidth or None) if on else None
+
 class Traced(Offloader):
-    # The bandwidth paces the moves only: the job's own reads and writes of its regions are free.
     def park(self, tags=(), **kw):
         note("park-start")
-        self.memory.bandwidth = bandwidth
+        pace(True)
         try:
             return super().park(tags, **kw)
         finally:
-            self.memory.bandwidth = None
+            pace(False)
             note("park-end")
     def unpark(self, tags=(), **kw):
         note("unpark-start")
-        self.memory.bandwidth = bandwidth
+        pace(True)
         try:
             return super().unpark(tags, **kw)
         finally:
-            self.memory.bandwidth = None
+            pace(False)
             note("unpark-end")
 
-memory = Memory(gpus=1, trace=note)
+memory = Memory() if device == "cuda" else Memory(gpus=1, trace=note)
 off = Traced(memory, verify=True)
 mine = [off.alloc(2 << 20, tag="weights") for _ in range(regions)]
 expected, data_errors, restored, failures = {}, 0, 0, []
@@ -139,10 +152,11 @@ def spawn_worker(
     regions: int = 8,
     bandwidth: float = 100e6,
     fault: tuple[str, int] | None = None,
+    device: str = "host",
 ) -> subprocess.Popen[str]:
-    return spawn_python(
-        WORKER, job, address, str(rounds), str(trace), str(regions), str(bandwidth), json.dumps(fault or [])
-    )
+    """One job (``WORKER``); ``device``: ``host`` (the CPU stand-in, paced to ``bandwidth``) or ``cuda`` (GPU 0)."""
+    args = (job, address, str(rounds), str(trace), str(regions), str(bandwidth), json.dumps(fault or []), device)
+    return spawn_python(WORKER, *args)
 
 
 @dataclass
@@ -231,3 +245,43 @@ def serve(state: Path, crash_at: str = "") -> subprocess.Popen[bytes]:
             raise RuntimeError((state / "daemon.log").read_text()[-3000:])
         time.sleep(0.05)
     return proc
+
+
+class TracedJob:
+    """An in-process job's executor: an ``Offloader`` over a paced, traced ``HostDeviceMemory``, its directives kept.
+
+    ``directives`` holds what ``read_trace`` gives for a worker, so the same checks read it.
+    """
+
+    streams = True  # it forwards the streamed arguments to its Offloader
+
+    def __init__(self, regions: int = 8, bandwidth: float = 100e6) -> None:
+        from timesliced.client.offload import HostDeviceMemory, Offloader
+
+        self.bandwidth = bandwidth
+        self.directives: list[Directive] = []
+        self._current: Directive | None = None
+        self.memory = HostDeviceMemory(gpus=1, trace=self._note)
+        self.off = Offloader(self.memory)
+        self.regions = [self.off.alloc(REGION, tag="weights") for _ in range(regions)]
+
+    def _note(self, event: str, gpu: int, nbytes: int) -> None:
+        if self._current is not None:
+            self._current.events.append((time.monotonic(), event, nbytes))
+
+    def _traced(self, kind: str, move: Any, tags: Any, kw: dict[str, Any]) -> Any:
+        self._current = Directive(kind, time.monotonic())
+        self.memory.bandwidth = self.bandwidth
+        try:
+            return move(tags, **kw)
+        finally:
+            self.memory.bandwidth = None
+            self._current.end = time.monotonic()
+            self.directives.append(self._current)
+            self._current = None
+
+    def park(self, tags: Any = (), **kw: Any) -> Any:
+        return self._traced("park", self.off.park, tags, kw)
+
+    def unpark(self, tags: Any = (), **kw: Any) -> Any:
+        return self._traced("unpark", self.off.unpark, tags, kw)

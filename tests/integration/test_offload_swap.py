@@ -9,6 +9,7 @@ ends and never hold more than was freed; with streamed switches off the same che
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ import timesliced
 from timesliced.config import DaemonConfig
 from timesliced.daemon.embedded import EmbeddedDaemon
 
+from ..helpers.client_shells import SHELLS, shell_of
 from ..helpers.daemon import serving
-from ..helpers.offload_swap import read_trace, results, serve, spawn_worker, streaming_problems, swaps
+from ..helpers.offload_swap import TracedJob, read_trace, results, serve, spawn_worker, streaming_problems, swaps
 from ..helpers.processes import wait_for
 
 pytestmark = pytest.mark.slow
@@ -187,3 +189,23 @@ def test_a_daemon_killed_mid_swap_loses_no_byte(tmp_path: Path) -> None:
     assert "crash point mid-restore" in log  # the first restore is the first swap: the daemon died in it
     assert "took up job 'a' from the last run: parked" in log and "took up job 'b' from the last run: parked" in log
     assert "swapped with" in log.split("crash point")[1]  # and swaps went on after the restart
+
+
+@pytest.mark.parametrize("kind", SHELLS)
+def test_both_client_shells_stream_a_swap(tmp_path: Path, kind: str) -> None:
+    """The same swap in this process, each job on the shell under test: the async one relays from its loop."""
+    out, in_ = TracedJob(), TracedJob()
+    with serving(config(tmp_path)) as daemon, shell_of(kind) as shell:
+        a = shell.client(daemon.socket, "a", park="offload", offloader=out, memory=16 * MiB, connect=True)
+        b = shell.client(daemon.socket, "b", park="offload", offloader=in_, memory=16 * MiB, connect=True)
+        a.acquire(timeout=10)  # b is parked for it
+        got: list[Any] = []
+        waiter = threading.Thread(target=lambda: got.append(b.acquire(timeout=30)))
+        waiter.start()
+        wait_for(lambda: len(next(g for g in a.status()["groups"] if g["group"] == "g")["queue"]) == 1)
+        a.release()
+        waiter.join(30)
+        assert got and got[0].restored
+        b.release()
+    pairs = swaps(out.directives, in_.directives)
+    assert len(pairs) == 1 and streaming_problems(*pairs[0]) == []

@@ -172,7 +172,13 @@ def swap_figures(mib: int, region_mib: int, swaps: int, device: str, gbps: float
 
     from ..daemon.embedded import EmbeddedDaemon
 
-    out: dict[str, Any] = {"swap_mib": mib, "swap_region_mib": region_mib, "swap_gbps": gbps, "swaps": swaps}
+    out: dict[str, Any] = {
+        "device": device,
+        "swap_mib": mib,
+        "swap_region_mib": region_mib,
+        "swap_gbps": gbps,
+        "swaps": swaps,
+    }
     for streamed in (True, False):
         daemon = EmbeddedDaemon(
             gpus=1,
@@ -233,7 +239,8 @@ def run_offload(
 
 
 def format_offload(r: dict[str, Any]) -> str:
-    lines = _format_copy_and_switch(r)
+    """The figures as text: the copy and switch figures where ``r`` has them, the swap figures where it has them."""
+    lines = _format_copy_and_switch(r) if "bytes" in r else []
     if "swap_mib" in r:
         lines += _format_swap(r)
     return "\n".join(lines)
