@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 from typing import Any
@@ -246,3 +247,132 @@ def test_an_executor_that_cannot_stream_unparks_once_the_park_ended_and_parks_as
     told: list[Any] = []
     park = {"directive": 2, "action": "park", "stream": True}
     assert run_directive(executor, park, freed=told.append)["ok"] and told == []
+
+
+# --- the daemon's side: the backend's swap over the directives, connections faked ------------------
+
+
+class Conn:
+    """A job process's connection as the directives see it: it records what is pushed to it."""
+
+    def __init__(self, conn_id: int) -> None:
+        self.id = conn_id
+        self.pushed: list[tuple[str, dict[str, Any]]] = []
+
+    def push(self, event: str, data: dict[str, Any]) -> None:
+        self.pushed.append((event, data))
+
+    def directives(self, action: str | None = None) -> list[dict[str, Any]]:
+        return [d for e, d in self.pushed if e == "offload" and action in (None, d["action"])]
+
+    def rooms(self) -> list[dict[str, Any]]:
+        return [d for e, d in self.pushed if e == "offload_room"]
+
+
+def swap_setup() -> tuple[Any, Conn, Conn, Any]:
+    from timesliced.backends.base import JobTarget
+    from timesliced.backends.offload import OffloadBackend
+    from timesliced.daemon.directives import Directives
+    from timesliced.wire.park import ParkSpec
+
+    a, b = Conn(1), Conn(2)
+    directives = Directives(lambda job: {"a": [a], "b": [b]}[job])
+    backend = OffloadBackend(directives.direct)
+    spec = ParkSpec("offload")
+    targets = (JobTarget("a", (0,), (), spec), JobTarget("b", (0,), (), spec))
+    return directives, a, b, (backend, targets)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def answer(directives: Any, conn: Conn, directive: dict[str, Any], **kw: Any) -> None:
+    directives.answered(conn, {"directive": directive["directive"], **kw}, {0})
+
+
+def test_the_backend_relays_each_freed_region_to_the_restore_and_lifts_the_limit_at_the_end() -> None:
+    async def body() -> None:
+        directives, a, b, (backend, (out, in_)) = swap_setup()
+        swap = asyncio.ensure_future(backend.swap(out, in_))
+        await settle()
+        (park,), (unpark,) = a.directives("park"), b.directives("unpark")
+        assert park["stream"] and unpark["room"] == {}  # no free room read on a simulated GPU
+        directives.progressed(a, {"directive": park["directive"], "freed": {"0": R}}, {0})
+        assert b.rooms() == [{"directive": unpark["directive"], "room": {"0": R}}]
+        answer(directives, a, park, ok=True, nbytes=2 * R, footprint={"0": 2 * R})
+        await settle()
+        assert b.rooms()[-1] == {"directive": unpark["directive"], "rest": True}
+        answer(directives, b, unpark, ok=True, nbytes=2 * R, footprint={"0": 2 * R})
+        result = await swap
+        assert result.park.nbytes == 2 * R and result.restore.nbytes == 2 * R
+
+    asyncio.run(body())
+
+
+def test_a_park_refused_before_any_room_went_on_is_undone_and_the_restore_called_off() -> None:
+    async def body() -> None:
+        directives, a, b, (backend, (out, in_)) = swap_setup()
+        swap = asyncio.ensure_future(backend.swap(out, in_))
+        await settle()
+        (park,), (unpark,) = a.directives("park"), b.directives("unpark")
+        answer(directives, a, park, ok=False, error="copy failed")
+        await settle()
+        (undo,) = a.directives("unpark")  # the lone park's undo
+        answer(directives, a, undo, ok=True, nbytes=0)
+        await settle()
+        assert b.rooms() == [{"directive": unpark["directive"], "cancel": unpark_cancel(b)}]
+        answer(directives, b, unpark, ok=False, error="the streamed unpark was called off: ...")
+        await settle()
+        (repark,) = b.directives("park")  # the restore's undo
+        answer(directives, b, repark, ok=True, nbytes=0)
+        result = await swap
+        assert isinstance(result.park, errors.ParkRefused) and isinstance(result.restore, errors.RestoreRefused)
+        assert "could not be parked" in str(result.restore)
+
+    asyncio.run(body())
+
+
+def unpark_cancel(conn: Conn) -> str:
+    return str(conn.rooms()[0].get("cancel"))
+
+
+def test_a_park_that_fails_after_room_went_on_is_finished() -> None:
+    async def body() -> None:
+        directives, a, b, (backend, (out, in_)) = swap_setup()
+        swap = asyncio.ensure_future(backend.swap(out, in_))
+        await settle()
+        (park,), (unpark,) = a.directives("park"), b.directives("unpark")
+        directives.progressed(a, {"directive": park["directive"], "freed": {"0": R}}, {0})
+        answer(directives, a, park, ok=False, error="unmap failed")
+        await settle()
+        with pytest.raises(errors.BadRequest, match="no offload directive"):  # its answer came: it is over
+            directives.progressed(a, {"directive": park["directive"], "freed": {"0": R}}, {0})
+        (again,) = a.directives("park")[1:]
+        assert "stream" not in again  # finishing: a plain park
+        answer(directives, a, again, ok=True, nbytes=R)
+        await settle()
+        assert b.rooms() == [
+            {"directive": unpark["directive"], "room": {"0": R}},
+            {"directive": unpark["directive"], "rest": True},
+        ]
+        answer(directives, b, unpark, ok=True, nbytes=2 * R)
+        result = await swap
+        assert result.park.nbytes >= R and result.restore.nbytes == 2 * R
+
+    asyncio.run(body())
+
+
+def test_a_swap_cut_short_calls_the_unpark_off() -> None:
+    async def body() -> None:
+        _directives, _a, b, (backend, (out, in_)) = swap_setup()
+        swap = asyncio.ensure_future(backend.swap(out, in_))
+        await settle()
+        (unpark,) = b.directives("unpark")
+        swap.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await swap
+        assert b.rooms() == [{"directive": unpark["directive"], "cancel": "the swap was cut short"}]
+
+    asyncio.run(body())

@@ -222,8 +222,12 @@ class OffloadBackend:
         async def park() -> MoveResult | Exception:
             try:
                 return await self._swap_park(out, relay, started, park_failed)
-            except Exception as exc:
-                relay.cancel(f"the park of job {out.name!r} failed: {exc}")
+            except Exception as exc:  # each failure told the unpark already, but one that never started
+                park_failed.append(str(exc))
+                if errors.state_intact(exc):
+                    relay.cancel(f"the park of job {out.name!r} failed: {exc}")
+                else:  # no connection, say: its state is unknown, the unpark goes on as a lone one would
+                    relay.rest()
                 return exc
 
         async def restore() -> MoveResult | Exception:

@@ -72,7 +72,10 @@ class Directives:
         try:
             return list(await asyncio.gather(*(a for _, a in answers)))
         finally:
-            for directive, _ in answers:
+            for (directive, answer), conn in zip(answers, conns, strict=True):
+                if relay is not None and action == "unpark" and (answer.cancelled() or not answer.done()):
+                    # Cut short (a timeout, the daemon stopping): nobody relays room to it any more.
+                    conn.push("offload_room", {"directive": directive, "cancel": "the swap was cut short"})
                 self._waiting.pop(directive, None)
                 self._relays.pop(directive, None)
 
