@@ -54,10 +54,6 @@ def status(daemon: EmbeddedDaemon) -> dict[str, Any]:
         return c.status()
 
 
-def job(doc: dict[str, Any], name: str) -> dict[str, Any]:
-    return next(j for j in doc["jobs"] if j["job"] == name)
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_switch_streams_the_restore_into_the_room_the_park_frees(tmp_path: Path, stream: bool) -> None:
     with serving(config(tmp_path, stream_switches=stream)) as daemon:
@@ -86,7 +82,9 @@ def test_a_switch_streams_the_restore_into_the_room_the_park_frees(tmp_path: Pat
 
 # --- failure rules -----------------------------------------------------------------------------------
 # Every park after the first is one side of a swap; a job's memory calls count from its start: its
-# allocation maps 8 regions, each park copies and unmaps 8, each unpark maps 8.
+# allocation maps 8 regions, each park copies and unmaps 8, each unpark maps 8. Each worker ends with
+# one more turn that checks its bytes: a job that turn was granted to was not left faulted (the
+# daemon may have forgotten the jobs by the time the test reads its status: their processes are gone).
 
 
 def run_pair(tmp_path: Path, fault: dict[str, tuple[str, int]]) -> tuple[dict[str, Any], ...]:
@@ -102,34 +100,30 @@ def run_pair(tmp_path: Path, fault: dict[str, tuple[str, int]]) -> tuple[dict[st
 def test_a_park_that_fails_after_passing_room_on_is_finished_and_the_restore_goes_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    a, b, doc = run_pair(tmp_path, {"a": ("unmap", 10)})  # its second park: one region freed and passed on
+    a, b, _ = run_pair(tmp_path, {"a": ("unmap", 10)})  # its second park: one region freed and passed on
     assert [a["data_errors"], b["data_errors"]] == [0, 0]
-    assert [a["failures"], b["failures"]] == [[], []]
+    assert [a["failures"], b["failures"]] == [[], []]  # every turn granted, the last ones too
     assert "finishing the park" in caplog.text and "injected failure of unmap #10" in caplog.text
-    assert not any(job(doc, n)["faulted"] for n in ("a", "b"))
 
 
 def test_a_park_that_fails_before_passing_room_on_is_undone_and_the_restore_called_off(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    a, b, doc = run_pair(tmp_path, {"a": ("copy_to_host", 9)})  # its second park's first copy: nothing freed
+    a, b, _ = run_pair(tmp_path, {"a": ("copy_to_host", 9)})  # its second park's first copy: nothing freed
     assert [a["data_errors"], b["data_errors"]] == [0, 0]
-    assert a["failures"] == []
+    assert a["failures"] == []  # a ran on, resident, and its last turn found its bytes
     first = b["failures"][0]
     assert "was called off" in first and "could not be parked" in first and "copy_to_host #9" in first
     assert "intact in host memory" in first
-    a_now, b_now = job(doc, "a"), job(doc, "b")
-    assert not a_now["faulted"] and not b_now["faulted"]
-    assert a_now["location"] == "resident" and "copy_to_host #9" in (a_now["park_refused"] or "")
+    assert "every process undid its part, so the job runs on, resident" in caplog.text
 
 
 def test_a_restore_that_fails_is_undone_while_the_park_goes_on(tmp_path: Path) -> None:
     a, b, doc = run_pair(tmp_path, {"b": ("map", 9)})  # its first unpark's first map
     assert [a["data_errors"], b["data_errors"]] == [0, 0]
     assert a["failures"] == []
-    assert len(b["failures"]) == 1 and "injected failure of map #9" in b["failures"][0]
-    assert "stays parked" in b["failures"][0] or "intact in host memory" in b["failures"][0]
-    assert not any(job(doc, n)["faulted"] for n in ("a", "b"))
+    assert len(b["failures"]) == 1 and "injected failure of map #9" in b["failures"][0]  # its last turn was granted
+    assert "intact in host memory" in b["failures"][0]
     snapshots = [m for m in doc["moves"]["recent"] if m["kind"] == "snapshot" and m["job"] == "a" and m["swap_with"]]
     assert snapshots  # a's side of the failed swap stood
 
@@ -163,7 +157,7 @@ def test_a_process_killed_mid_swap_faults_its_job_and_the_other_is_restored(tmp_
         doc = status(daemon)
     assert b["data_errors"] == 0 and b["failures"] == []
     assert b["resident"] == {"0": 16 * MiB}
-    assert all(j["job"] != "a" or j["faulted"] for j in doc["jobs"])  # faulted, or reclaimed once seen gone
+    assert all(j["job"] != "a" or j["faulted"] for j in doc["jobs"])  # faulted, or forgotten once seen gone
 
 
 def test_a_daemon_killed_mid_swap_loses_no_byte(tmp_path: Path) -> None:
