@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .processes import spawn_python
+from .processes import REPO
 
 REGION = 2 << 20  # the fake's mapping granularity: one region is one map
 
@@ -156,7 +156,15 @@ def spawn_worker(
 ) -> subprocess.Popen[str]:
     """One job (``WORKER``); ``device``: ``host`` (the CPU stand-in, paced to ``bandwidth``) or ``cuda`` (GPU 0)."""
     args = (job, address, str(rounds), str(trace), str(regions), str(bandwidth), json.dumps(fault or []), device)
-    return spawn_python(WORKER, *args)
+    # The checkout first, and whatever the path held (the GPU check's own dependencies are there).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
 
 
 @dataclass
