@@ -115,6 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     offload.add_argument("--rounds", type=int, default=5)
     offload.add_argument("--device", choices=["host", "cuda"], default="host", help="host: the CPU stand-in")
     offload.add_argument("--switches", type=int, default=200, help="switches between two jobs through a daemon")
+    offload.add_argument(
+        "--swaps", type=int, default=8, help="switches of the swap figures, each run (streamed, then park then restore)"
+    )
+    offload.add_argument("--swap-mib", type=int, default=256, help="MiB of regions of each job in the swap figures")
+    offload.add_argument("--swap-region-mib", type=int, default=16, help="MiB per region in the swap figures")
+    offload.add_argument(
+        "--swap-gbps",
+        type=float,
+        default=2.0,
+        help="the CPU stand-in's link in the swap figures, GB/s each way (0: as fast as memory copies go)",
+    )
     offload.add_argument("--json", action="store_true", help="print one JSON object")
     offload.set_defaults(run=cmd_bench_offload)
     load = bench_sub.add_parser(
@@ -605,7 +616,16 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
 def cmd_bench_offload(args: argparse.Namespace) -> int:
     from .bench.offload import format_offload, run_offload
 
-    result = run_offload(mib=args.mib, rounds=args.rounds, device=args.device, switches=args.switches)
+    result = run_offload(
+        mib=args.mib,
+        rounds=args.rounds,
+        device=args.device,
+        switches=args.switches,
+        swap_mib=args.swap_mib,
+        swap_region_mib=args.swap_region_mib,
+        swaps=args.swaps,
+        swap_gbps=args.swap_gbps,
+    )
     print(json.dumps(result, indent=2) if args.json else format_offload(result))
     return 0
 

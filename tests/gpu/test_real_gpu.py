@@ -223,3 +223,34 @@ def test_kill_9_of_the_daemon_mid_switch_loses_no_byte() -> None:
     assert result["ok"], summary
     assert result["restarts"] == 1 and result["data_errors"] == 0, summary
     assert 1 <= result["rounds"] <= 3 and result["rounds_done"] == result["rounds"], summary
+
+
+def test_an_offload_swap_streams_on_the_gpu(tmp_path: Path) -> None:
+    """Two offload jobs with regions on GPU 0 swap through a daemon that plans the GPU as too small for both.
+
+    The incoming job maps each region only once the outgoing one freed room for it, and its first
+    map comes before the outgoing park ends (both read from the jobs' traces, around the driver's
+    cuMemMap / cuMemUnmap); no byte is lost. The swap figures (streamed against park then restore,
+    GB/s each way) are printed for the report, never asserted.
+    """
+    from timesliced.bench.offload import format_offload, swap_figures
+    from timesliced.daemon.embedded import EmbeddedDaemon
+
+    from ..helpers.offload_swap import read_trace, results, spawn_worker, streaming_problems, swaps
+
+    # 32 regions of 2 MiB (the driver's usual granularity) per job; room for one job and a half.
+    with EmbeddedDaemon(gpus=1, gpu_memory=96 * MiB, memory_headroom=0, bandwidth=0) as daemon:
+        procs = [
+            spawn_worker(job, daemon.socket, tmp_path / f"{job}.trace", rounds=3, regions=32, device="cuda")
+            for job in ("a", "b")
+        ]
+        outs = results(procs, timeout=50)
+    assert [o["data_errors"] for o in outs] == [0, 0] and [o["failures"] for o in outs] == [[], []], outs
+    a, b = read_trace(tmp_path / "a.trace"), read_trace(tmp_path / "b.trace")
+    pairs = swaps(a, b) + swaps(b, a)
+    assert len(pairs) >= 3, (a, b)
+    for park, unpark in pairs:
+        assert streaming_problems(park, unpark) == []
+    figures = swap_figures(256, 16, 4, "cuda", 0.0)
+    print(format_offload(figures))
+    assert figures["streamed_switches"] >= 3 and figures["sequential_switches"] >= 3

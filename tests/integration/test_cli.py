@@ -182,12 +182,17 @@ def test_bench_failover_prints_figures() -> None:
 
 
 def test_bench_offload_prints_figures() -> None:
-    result = cli("bench", "offload", "--mib", "8", "--rounds", "2", "--switches", "20", "--json", timeout=300)
+    swap = ("--swaps", "4", "--swap-mib", "8", "--swap-region-mib", "2", "--swap-gbps", "0.2")
+    result = cli("bench", "offload", "--mib", "8", "--rounds", "2", "--switches", "20", *swap, "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
     for key in ("d2h_gbps_p50", "h2d_gbps_p50", "park_s_p50", "unpark_s_p50", "switch_p50_ms", "switch_p99_ms"):
         assert figures[key] > 0, key
     assert figures["bytes"] == 8 << 20 and figures["switches"] >= 1
+    for run in ("streamed", "sequential"):  # the swap figures: both runs, each direction
+        assert figures[f"{run}_switches"] >= 3 and figures[f"{run}_switch_s_p50"] > 0
+        assert figures[f"{run}_to_host_gbps_p50"] > 0 and figures[f"{run}_to_device_gbps_p50"] > 0
+    assert figures["swap_speedup"] > 0
     assert "ERROR" not in result.stderr  # the jobs start and end together: nothing is parked after it left
 
 

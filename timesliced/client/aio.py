@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import errors
 from .codec import Grant
-from .directives import directive_worker, run_directive
+from .directives import directive_worker
 from .protocol import dial_failure
 from .session import Answered, Disconnect, Failed, Logged, Pushed, State, Unreachable
 from .shell import ShellBase
@@ -70,6 +70,7 @@ class AsyncClient(ShellBase):
                     task.cancel()
                 await asyncio.wait(supervisors)
         pool, self._pool = self._pool, None
+        self._rooms.lost("the client closed")  # a streamed unpark waiting for room ends (its regions stay parked)
         if pool is not None:
             # A park in progress finishes (the job's bytes are in flight), off the event loop.
             await asyncio.get_running_loop().run_in_executor(None, pool.shutdown, True)
@@ -293,12 +294,14 @@ class AsyncClient(ShellBase):
                     self._step(functools.partial(self._core.receive_data, conn, data))
                 else:
                     self._step(functools.partial(self._core.connection_lost, conn, reason=reason))
+                    self._rooms.lost(reason)
                     if self._writer is writer:
                         self._writer = None
         finally:
             if writer is not None:
                 if self._core.connection == conn:  # cut short (cancelled): the connection goes with this task
                     self._step(functools.partial(self._core.connection_lost, conn, reason="the client's task ended"))
+                    self._rooms.lost("the client's task ended")
                 if self._writer is writer:
                     self._writer = None
                 await _closed(writer)
@@ -342,7 +345,15 @@ class AsyncClient(ShellBase):
     async def _carry_out(self, pool: concurrent.futures.ThreadPoolExecutor, data: dict[str, Any]) -> None:
         """Run one offload directive in the worker thread, then report back."""
         try:
-            answer = await asyncio.get_running_loop().run_in_executor(pool, run_directive, self.offloader, data)
+            loop = asyncio.get_running_loop()
+
+            def send(op: str, args: dict[str, Any]) -> None:  # from the worker thread: the core is the loop's
+                try:
+                    loop.call_soon_threadsafe(self._step, functools.partial(self._core.send, op, args))
+                except RuntimeError:
+                    pass  # the loop closed: nobody is left to tell
+
+            answer = await loop.run_in_executor(pool, self._directive, data, send)
         except RuntimeError:
             return  # the pool shut down: closing
         self._step(functools.partial(self._core.send, "offload_done", answer))

@@ -3,13 +3,24 @@
 Both client shells run each directive on one worker thread of their own (the
 copies block, and directives must run in the order sent: a park before its
 unpark), then answer with ``offload_done``.
+
+A *streamed* switch (the daemon parks one job while it restores another into the room the first
+frees) adds two things. The outgoing park is told ``stream``: an executor that can
+(``streams = True``, :class:`~.offload.Offloader`) parks region by region and reports the device
+memory each region gave back (``offload_progress``) as soon as it is unmapped. The incoming unpark
+carries ``room`` (bytes per GPU it may map now); the daemon relays more room (``offload_room``) as
+the outgoing job frees it, lifts the limit once that park ended (``rest``), or calls the unpark off
+(``cancel``). :class:`Room` is that limit on the client's side: the reader thread grants, the worker
+thread takes, and a lost connection ends every wait (:class:`Rooms`), so an unpark never waits on a
+daemon that is gone: it puts its regions back as parked and answers with the failure.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from .. import errors
@@ -27,7 +38,8 @@ class OffloadExecutor(Protocol):
     ``timesliced.client.offload.Offloader`` and ``timesliced.client.offload.TorchOffload``
     are such executors; ``park`` / ``unpark`` return figures (a mapping, or an
     object with ``to_wire()``) with at least ``nbytes`` and ``seconds``, and
-    ``footprint`` (gpu -> bytes held when resident) where known.
+    ``footprint`` (gpu -> bytes held when resident) where known. An executor with
+    ``streams = True`` also takes ``freed=`` (park) and ``room=`` (unpark), see the module docstring.
     """
 
     def park(self, tags: Sequence[str] = ..., *, verify: bool | None = ...) -> Any: ...
@@ -35,11 +47,142 @@ class OffloadExecutor(Protocol):
     def unpark(self, tags: Sequence[str] = ..., *, verify: bool | None = ...) -> Any: ...
 
 
-def run_directive(executor: OffloadExecutor | None, data: Mapping[str, Any]) -> dict[str, Any]:
+class Room:
+    """The device memory a streamed unpark may map, per GPU (the node's numbers), as the daemon grants it.
+
+    Thread-safe: ``grant`` / ``open`` / ``end`` come from the client's reader, ``take`` blocks the
+    directive's worker. Once ``open``, nothing is limited any more (the outgoing park ended, so all
+    the room the scheduler planned is free); once ``end``, every ``take`` raises.
+    """
+
+    def __init__(self, granted: Mapping[int, int] | None = None) -> None:
+        self._cond = threading.Condition()
+        self._granted: dict[int, int] = {int(g): int(n) for g, n in (granted or {}).items()}
+        self._taken: dict[int, int] = {}
+        self._open = False
+        self._ended: str | None = None
+
+    def grant(self, more: Mapping[int, int]) -> None:
+        """``more`` bytes per GPU may be mapped on top of what was granted so far."""
+        with self._cond:
+            for gpu, n in more.items():
+                self._granted[int(gpu)] = self._granted.get(int(gpu), 0) + int(n)
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        """No limit any more."""
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def end(self, reason: str) -> None:
+        """Call the unpark off: the waiting ``take`` and every later one raise ``BackendError`` with ``reason``."""
+        with self._cond:
+            if self._ended is None:
+                self._ended = reason
+            self._cond.notify_all()
+
+    def fits(self, gpu: int, nbytes: int) -> bool:
+        """Whether ``take(gpu, nbytes)`` would return at once."""
+        with self._cond:
+            return self._ended is None and self._fits(gpu, nbytes)
+
+    def take(self, gpu: int, nbytes: int) -> None:
+        """Wait until ``nbytes`` more may be mapped on ``gpu``, and count them as mapped.
+
+        Raises ``BackendError`` once the unpark is called off (``end``).
+        """
+        with self._cond:
+            while self._ended is None and not self._fits(gpu, nbytes):
+                self._cond.wait()
+            if self._ended is not None:
+                raise errors.BackendError(f"the streamed unpark was called off: {self._ended}", cancelled=True)
+            self._taken[gpu] = self._taken.get(gpu, 0) + nbytes
+
+    def wait_open(self) -> None:
+        """Wait until the limit is lifted; raises ``BackendError`` once the unpark is called off."""
+        with self._cond:
+            while self._ended is None and not self._open:
+                self._cond.wait()
+            if self._ended is not None:
+                raise errors.BackendError(f"the streamed unpark was called off: {self._ended}", cancelled=True)
+
+    def _fits(self, gpu: int, nbytes: int) -> bool:
+        return self._open or self._taken.get(gpu, 0) + nbytes <= self._granted.get(gpu, 0)
+
+
+class Rooms:
+    """The rooms of the streamed unparks a client has in flight, by directive (thread-safe).
+
+    ``opened`` runs on the reader as the directive arrives, before any ``offload_room`` for it can;
+    ``relayed`` carries such a push to its room; ``lost`` ends them all (the connection they came on
+    is gone, and with it whoever granted them).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rooms: dict[int, Room] = {}
+
+    def opened(self, data: Mapping[str, Any]) -> None:
+        """An ``offload`` push: a streamed unpark (one with ``room``) gets its room now."""
+        directive, granted = data.get("directive"), data.get("room")
+        if isinstance(directive, int) and isinstance(granted, dict):
+            with self._lock:
+                self._rooms[directive] = Room(_gpu_bytes(granted))
+
+    def room(self, directive: Any) -> Room | None:
+        with self._lock:
+            return self._rooms.get(directive) if isinstance(directive, int) else None
+
+    def closed(self, directive: Any) -> None:
+        with self._lock:
+            if isinstance(directive, int):
+                self._rooms.pop(directive, None)
+
+    def relayed(self, data: Mapping[str, Any]) -> None:
+        """An ``offload_room`` push: more room, the limit lifted (``rest``), or the unpark called off (``cancel``)."""
+        room = self.room(data.get("directive"))
+        if room is None:
+            return  # its unpark is over already
+        if isinstance(data.get("room"), dict):
+            room.grant(_gpu_bytes(data["room"]))
+        if data.get("rest"):
+            room.open()
+        if data.get("cancel"):
+            room.end(str(data["cancel"]))
+
+    def lost(self, reason: str) -> None:
+        with self._lock:
+            rooms = list(self._rooms.values())
+        for room in rooms:
+            room.end(reason)
+
+
+def _gpu_bytes(d: Mapping[Any, Any]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for gpu, n in d.items():
+        if isinstance(gpu, (str, int)) and str(gpu).isdigit() and isinstance(n, int) and n >= 0:
+            out[int(gpu)] = n
+    return out
+
+
+Freed = Callable[[dict[int, int]], None]
+
+
+def run_directive(
+    executor: OffloadExecutor | None,
+    data: Mapping[str, Any],
+    *,
+    room: Room | None = None,
+    freed: Freed | None = None,
+) -> dict[str, Any]:
     """Carry out one ``offload`` push; returns the args of the ``offload_done`` request.
 
     Runs in a worker thread: the copies block. A client without an executor
-    has nothing registered and answers at once with zero bytes.
+    has nothing registered and answers at once with zero bytes. ``room``: the
+    limit of a streamed unpark; ``freed``: how a streamed park reports each region it gave back.
+    An executor that cannot stream waits, for a streamed unpark, until the limit is lifted, and
+    parks as ever (its room is relayed when its park ends).
     """
     directive = data.get("directive")
     action = data.get("action")
@@ -50,8 +193,18 @@ def run_directive(executor: OffloadExecutor | None, data: Mapping[str, Any]) -> 
             raise errors.BadRequest(f"unknown offload action {action!r}")
         if executor is None:
             return {"directive": directive, "ok": True, "nbytes": 0, "footprint": {}}
-        move = executor.park if action == "park" else executor.unpark
-        stats = move(tags, verify=verify)
+        streams = bool(getattr(executor, "streams", False))
+        if action == "park":
+            if streams and freed is not None and data.get("stream"):
+                stats = executor.park(tags, verify=verify, freed=freed)  # type: ignore[call-arg]
+            else:
+                stats = executor.park(tags, verify=verify)
+        elif room is not None and streams:
+            stats = executor.unpark(tags, verify=verify, room=room)  # type: ignore[call-arg]
+        else:
+            if room is not None:
+                room.wait_open()  # it maps all at once: only once the outgoing park ended
+            stats = executor.unpark(tags, verify=verify)
         figures = stats.to_wire() if hasattr(stats, "to_wire") else dict(stats)
         footprint = figures.get("footprint") or figures.get("per_gpu") or {}
         return {

@@ -14,7 +14,7 @@ from typing import Any
 from .. import errors
 from ..wire.park import ParkSpec
 from .codec import auth_args
-from .directives import OffloadExecutor
+from .directives import OffloadExecutor, Rooms, run_directive
 from .protocol import find_token, hello_args, member, register_args, resolve_address
 from .session import ClientSession, LockState, Logged, Pushed
 
@@ -71,6 +71,7 @@ class ShellBase:
         self.group = group = who.group
         self.address = resolve_address(address)
         self.offloader = offloader
+        self._rooms = Rooms()  # the room of each streamed unpark in flight (directives.py)
         self.on_push = on_push
         self.parked_access = parked_access
 
@@ -177,7 +178,10 @@ class ShellBase:
 
     def _pushed(self, out: Pushed) -> None:
         if out.event == "offload":
+            self._rooms.opened(out.data)  # before any room relayed for it can arrive
             self._run_directive(out.data)
+        elif out.event == "offload_room":
+            self._rooms.relayed(out.data)
         if self.on_push is not None:
             try:
                 self.on_push(out.event, out.data)
@@ -187,3 +191,19 @@ class ShellBase:
     def _run_directive(self, data: dict[str, Any]) -> None:
         """Carry out an offload directive off the reader, then answer ``offload_done``."""
         raise NotImplementedError
+
+    def _directive(self, data: dict[str, Any], send: Callable[[str, dict[str, Any]], None]) -> dict[str, Any]:
+        """Run one directive (in the worker thread); ``send(op, args)`` hands a request to the core.
+
+        A streamed park reports each freed region as ``offload_progress``; a streamed unpark
+        waits on its room. Returns the ``offload_done`` args.
+        """
+        directive = data.get("directive")
+
+        def freed(gpus: dict[int, int]) -> None:
+            send("offload_progress", {"directive": directive, "freed": {str(g): n for g, n in gpus.items()}})
+
+        try:
+            return run_directive(self.offloader, data, room=self._rooms.room(directive), freed=freed)
+        finally:
+            self._rooms.closed(directive)

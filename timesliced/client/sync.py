@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from .. import errors
 from ..wire.messages import Reply
 from .codec import ClientProtocol, Grant, auth_args, result_of
-from .directives import directive_worker, run_directive
+from .directives import directive_worker
 from .protocol import Address, dial_failure, find_token, hello_args, resolve_address
 from .session import Answered, Disconnect, Failed, Logged, Output, Pushed, State
 from .shell import ShellBase
@@ -117,6 +117,7 @@ class Client(ShellBase):
         if reader is not None and reader is not threading.current_thread():
             reader.join(timeout=JOIN_S)
         pool, self._directives = self._directives, None
+        self._rooms.lost("the client closed")  # a streamed unpark waiting for room ends (its regions stay parked)
         if pool is not None:
             pool.shutdown(wait=True)  # a park in progress finishes: the job's bytes are in flight
 
@@ -348,6 +349,7 @@ class Client(ShellBase):
                     now = time.monotonic()
                     if read is not None and not read:
                         self._core.connection_lost(conn, now, reason)
+                        self._rooms.lost(reason or "the connection to the daemon ended")
                     deadline = self._core.next_deadline()
                     if deadline is not None and now >= deadline:
                         self._core.handle_timers(now)
@@ -432,7 +434,7 @@ class Client(ShellBase):
                 pass  # closing
 
     def _carry_out(self, data: dict[str, Any]) -> None:
-        answer = run_directive(self.offloader, data)
+        answer = self._directive(data, lambda op, args: self._step(functools.partial(self._core.send, op, args)))
         self._step(functools.partial(self._core.send, "offload_done", answer))
 
 

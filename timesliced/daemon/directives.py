@@ -4,6 +4,12 @@ The daemon pushes an ``offload`` directive (``park`` or ``unpark``, with tags) t
 of the job and waits for each ``offload_done``; a connection that closes first answers with a
 failure, so a move never waits on a process that is gone. ``backends/offload.py`` turns these
 answers into the move's result.
+
+A swap's directives carry a ``Relay`` (``backends/offload.py``): a park is sent with ``stream`` and
+each ``offload_progress`` it reports (a region freed) goes into the relay; an unpark is sent with
+the ``room`` the relay grants it at once, and every later grant, the limit's end (``rest``) or a
+call-off (``cancel``) goes to its connection as ``offload_room``. What each connection needs per GPU
+is its latest answer's footprint (its job's memory there when resident).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import errors
+from ..backends.offload import Relay
 from ..wire.messages import arg_int, quoted
 from .server import Connection
 
@@ -23,7 +30,9 @@ class Directives:
     def __init__(self, connections_of: Callable[[str], list[Connection]]) -> None:
         """``connections_of(job)``: the job's connections on this node, in a stable order."""
         self._connections_of = connections_of
-        self._waiting: dict[int, tuple[int, asyncio.Future[dict[str, Any]]]] = {}  # id -> (connection, answer)
+        self._waiting: dict[int, tuple[Connection, asyncio.Future[dict[str, Any]]]] = {}  # id -> (conn, answer)
+        self._relays: dict[int, tuple[Relay, bool]] = {}  # directive -> (its swap's relay, is it the park)
+        self._footprints: dict[int, dict[int, int]] = {}  # connection -> its latest answer's footprint
         self._next = 1
 
     @property
@@ -31,43 +40,104 @@ class Directives:
         """The id of the latest directive sent (0: none yet)."""
         return self._next - 1
 
-    async def direct(self, job: str, action: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+    async def direct(
+        self, job: str, action: str, args: dict[str, Any], *, relay: Relay | None = None
+    ) -> list[dict[str, Any]]:
         """Tell every connection of ``job`` to park or unpark; their answers, in order (an answer never raises).
 
-        Raises ``BackendError`` when the job has no connection here.
+        ``relay``: the directive is one side of a swap (module docstring). Raises ``BackendError``
+        when the job has no connection here.
         """
         conns = self._connections_of(job)
         if not conns:
             raise errors.BackendError(f"job {job!r} has no connection to carry out an offload {action}")
+        if relay is not None:
+            relay.attach(self._push_room)
         answers = []
         for conn in conns:
             directive = self._next
             self._next += 1
             answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-            self._waiting[directive] = (conn.id, answer)
-            conn.push("offload", {"directive": directive, "action": action, **args})
+            self._waiting[directive] = (conn, answer)
+            extra: dict[str, Any] = {}
+            if relay is not None:
+                self._relays[directive] = (relay, action == "park")
+                if action == "park":
+                    extra["stream"] = True
+                else:
+                    room = relay.incoming(directive, self._footprints.get(conn.id))
+                    extra["room"] = {str(g): n for g, n in room.items()}
+            conn.push("offload", {"directive": directive, "action": action, **args, **extra})
             answers.append((directive, answer))
         try:
             return list(await asyncio.gather(*(a for _, a in answers)))
         finally:
-            for directive, _ in answers:
+            for (directive, answer), conn in zip(answers, conns, strict=True):
+                if relay is not None and action == "unpark" and (answer.cancelled() or not answer.done()):
+                    # Cut short (a timeout, the daemon stopping): nobody relays room to it any more.
+                    conn.push("offload_room", {"directive": directive, "cancel": "the swap was cut short"})
                 self._waiting.pop(directive, None)
+                self._relays.pop(directive, None)
 
     def answered(self, conn: Connection, args: dict[str, Any], gpus: set[int]) -> None:
         """A connection's ``offload_done``; raises ``BadRequest`` for a directive it was not sent, or a bad answer."""
         directive = arg_int(args, "directive")
         entry = self._waiting.get(directive)
-        if entry is None or entry[0] != conn.id:
+        if entry is None or entry[0].id != conn.id:
             raise errors.BadRequest(f"no offload directive {directive} is waiting on this connection")
         answer = parse_offload_done(args, gpus)
-        if not entry[1].done():
-            entry[1].set_result(answer)
+        if answer["ok"]:
+            self._footprints[conn.id] = {int(g): n for g, n in answer["footprint"].items()}
+        self._settle(directive, answer)
+
+    def progressed(self, conn: Connection, args: dict[str, Any], gpus: set[int]) -> None:
+        """A connection's ``offload_progress`` (a streamed park freed device memory); raises ``BadRequest``."""
+        directive = arg_int(args, "directive")
+        entry = self._waiting.get(directive)
+        if entry is None or entry[0].id != conn.id:
+            raise errors.BadRequest(f"no offload directive {directive} is waiting on this connection")
+        freed = parse_gpu_bytes(args.get("freed"), gpus, "freed")
+        relay = self._relays.get(directive)
+        if relay is not None and relay[1]:  # progress of a lone park has nobody to tell
+            relay[0].freed({int(g): n for g, n in freed.items()})
 
     def connection_closed(self, conn_id: int) -> None:
         """Directives the connection did not answer fail now."""
-        for waiting_on, answer in self._waiting.values():
-            if waiting_on == conn_id and not answer.done():
-                answer.set_result({"ok": False, "error": "the connection closed before it carried out the offload"})
+        self._footprints.pop(conn_id, None)
+        for directive, (waiting_on, answer) in list(self._waiting.items()):
+            if waiting_on.id == conn_id and not answer.done():
+                self._settle(
+                    directive, {"ok": False, "error": "the connection closed before it carried out the offload"}
+                )
+
+    def _settle(self, directive: int, answer: dict[str, Any]) -> None:
+        entry = self._waiting.get(directive)
+        if entry is None or entry[1].done():
+            return
+        relay = self._relays.get(directive)
+        if relay is not None and not relay[1]:
+            relay[0].left(directive)
+        entry[1].set_result(answer)
+
+    def _push_room(self, directive: int, data: dict[str, Any]) -> None:
+        entry = self._waiting.get(directive)
+        if entry is not None and not entry[1].done():
+            entry[0].push("offload_room", {"directive": directive, **data})
+
+
+def parse_gpu_bytes(value: Any, gpus: set[int], name: str) -> dict[str, int]:
+    """A map of this node's GPUs (as strings) to byte counts, checked; raises ``BadRequest``."""
+    value = value or {}
+    if not isinstance(value, dict) or len(value) > len(gpus):
+        raise errors.BadRequest(f"{name!r} must map GPUs of this node to byte counts")
+    checked: dict[str, int] = {}
+    for gpu, n in value.items():
+        if not (isinstance(gpu, str) and gpu.isdigit() and int(gpu) in gpus):
+            raise errors.BadRequest(f"{name!r} names GPU {quoted(gpu)}, which this node does not have")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise errors.BadRequest(f"{name!r} byte counts must be non-negative integers")
+        checked[gpu] = n
+    return checked
 
 
 def parse_offload_done(args: dict[str, Any], gpus: set[int]) -> dict[str, Any]:
@@ -78,14 +148,5 @@ def parse_offload_done(args: dict[str, Any], gpus: set[int]) -> dict[str, Any]:
     if not ok:
         error = args.get("error")
         return {"ok": False, "error": (error if isinstance(error, str) else "no reason given")[:MAX_ERROR_CHARS]}
-    footprint = args.get("footprint") or {}
-    if not isinstance(footprint, dict) or len(footprint) > len(gpus):
-        raise errors.BadRequest("'footprint' must map GPUs of this node to byte counts")
-    checked: dict[str, int] = {}
-    for gpu, n in footprint.items():
-        if not (isinstance(gpu, str) and gpu.isdigit() and int(gpu) in gpus):
-            raise errors.BadRequest(f"'footprint' names GPU {quoted(gpu)}, which this node does not have")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise errors.BadRequest("'footprint' byte counts must be non-negative integers")
-        checked[gpu] = n
+    checked = parse_gpu_bytes(args.get("footprint"), gpus, "footprint")
     return {"ok": True, "nbytes": arg_int(args, "nbytes", minimum=0), "footprint": checked}

@@ -149,6 +149,10 @@ class ClientOps:
         self.directives.answered(conn, args, set(self.cluster.devices))
         return {}
 
+    def offload_progress(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
+        self.directives.progressed(conn, args, set(self.cluster.devices))
+        return {}
+
     def status(self, conn: Connection, rid: int, args: dict[str, Any]) -> Any:
         return self._status()
 
@@ -170,6 +174,7 @@ OPS: dict[str, Op] = {
     "sim_alloc": ClientOps.sim_alloc,
     "sim_free": ClientOps.sim_free,
     "offload_done": ClientOps.offload_done,
+    "offload_progress": ClientOps.offload_progress,
     "status": ClientOps.status,
     "ping": ClientOps.ping,
 }

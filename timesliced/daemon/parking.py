@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import errors
 from ..backends.base import Backend, DeviceInfo, GpuMemory
-from ..backends.offload import Direct, OffloadBackend
+from ..backends.offload import Direct, OffloadBackend, free_room
 from ..config import DaemonConfig
 from ..wire import status
 from ..wire.park import METHODS
@@ -126,7 +126,10 @@ def open_parking(config: DaemonConfig, direct: Direct) -> Parking:
         if checkpoint is not None:
             checkpoint.close()
     memory: GpuMemory | None = nvml if real else None
-    backends["offload"] = OffloadBackend(direct, verify=config.offload_verify)
+    # A swap's restore may start in the free room less the headroom, read from NVML on real GPUs.
+    backends["offload"] = OffloadBackend(
+        direct, verify=config.offload_verify, room=free_room(memory, config.memory_headroom)
+    )
     from ..backends.engines import make_engine_backend
 
     for method in ("vllm", "sglang"):

@@ -266,6 +266,15 @@ class CudaDeviceMemory:
     def copy_to_device_async(self, va: int, src: HostBuffer, nbytes: int) -> None:
         self._copy("cuMemcpyHtoDAsync", src, va, nbytes)
 
+    # What a streamed swap relies on (CUDA programming guide, "Asynchronous Concurrent Execution", and
+    # the cuMemcpy*Async reference): an async copy returns before it completes and runs in its
+    # stream's order; it is asynchronous only with page-locked host memory (hence cuMemHostAlloc);
+    # on a non-zero stream a host<->device copy may overlap operations in other streams; a device
+    # with asyncEngineCount == 2 can run a host-to-device and a device-to-host copy at once, both
+    # with page-locked memory. In a swap the two directions are two processes (two contexts), each
+    # copying on its own stream; the guide says kernels of different contexts do not run at once
+    # and says nothing of copies, so whether the two directions overlap across processes is
+    # measured (tests/gpu, ``timesliced bench offload --device cuda``), not assumed.
     def _copy(self, call: str, host: HostBuffer, va: int, nbytes: int) -> None:
         if nbytes < 0 or nbytes > host.nbytes:
             raise BackendError(

@@ -39,7 +39,13 @@ class HostDeviceMemory:
     of memory); ``granularity``: the mapping unit; ``bandwidth``: bytes per
     second that copies are held to (``None``: unlimited), paid at
     ``synchronize()`` for async copies and at once for ``read`` / ``write``.
-    Thread-safe.
+    ``trace(event, gpu, nbytes)`` is told every ``map`` and ``unmap`` once it took effect
+    (``"map"`` / ``"unmap"``, the memory's GPU number): the order and room of a streamed
+    switch, for tests and benchmarks. Thread-safe.
+
+    Each object stands for one process's view of its devices: the bandwidth model charges each
+    process's copies on their own, so two processes copying at once (a streamed switch: one
+    parks, the other unparks) run at once, like a device with one copy engine per direction.
     """
 
     BASE_VA = 0x7F00_0000_0000  # fake addresses: far from 0 so an int offset is never mistaken for one
@@ -53,6 +59,7 @@ class HostDeviceMemory:
         granularity: int = DEFAULT_GRANULARITY,
         bandwidth: float | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        trace: Callable[[str, int, int], None] | None = None,
     ) -> None:
         if gpus < 1:
             raise ValueError(f"gpus must be at least 1, got {gpus}")
@@ -68,6 +75,7 @@ class HostDeviceMemory:
         self.bandwidth = bandwidth or None
         self._granularity = granularity
         self._sleep = sleep
+        self._trace = trace
         self._space = AddressSpace()
         self._memory: dict[int, bytearray] = {}  # mapping start -> its bytes
         self._queue: list[_Copy] = []
@@ -114,6 +122,8 @@ class HostDeviceMemory:
                 )
             span = self._space.map(va, nbytes)
             self._memory[span.va] = bytearray(nbytes)  # like cuMemCreate, new memory; zeroed here
+        if self._trace is not None:
+            self._trace("map", gpu, nbytes)
 
     def unmap(self, va: int, nbytes: int) -> None:
         with self._lock:
@@ -121,6 +131,8 @@ class HostDeviceMemory:
                 raise BackendError(f"unmapping [{va:#x}, +{nbytes}) while copies to or from it are queued", va=va)
             span = self._space.unmap(va, nbytes)
             del self._memory[span.va]  # really freed
+        if self._trace is not None:
+            self._trace("unmap", span.gpu, nbytes)
 
     # -- host buffers
 

@@ -23,7 +23,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from ...errors import BackendError, NotResident, TimeslicedError, UnknownRegion
 from .device_memory import DEFAULT_CHUNK, DeviceMemory, HostBuffer, plan_chunks, round_up
@@ -37,6 +37,14 @@ def checksum(view: memoryview | bytes, chunk: int = DEFAULT_CHUNK) -> int:
     for off, n in plan_chunks(mv.nbytes, chunk):
         crc = zlib.crc32(mv[off : off + n], crc)
     return crc
+
+
+class RoomGate(Protocol):
+    """The limit of a streamed unpark (``timesliced.client.directives.Room``): bytes per node GPU it may map."""
+
+    def fits(self, gpu: int, nbytes: int) -> bool: ...
+
+    def take(self, gpu: int, nbytes: int) -> None: ...
 
 
 # --- regions --------------------------------------------------------------------------
@@ -120,7 +128,12 @@ class Offloader:
     Figures per GPU (``footprint``, ``resident``, :class:`~.parkable.MoveStats`)
     are keyed by the node's GPU numbers, the daemon's (``Region.node_gpu``);
     ``alloc(gpu=...)`` takes the memory's own (a CUDA ordinal on a GPU).
+
+    It *streams*: in a streamed switch its park frees region by region and says so (``freed``),
+    and its unpark maps each region only once the daemon granted room for it (``room``).
     """
+
+    streams = True  # park(freed=...) and unpark(room=...): see timesliced.client.directives
 
     def __init__(
         self,
@@ -237,19 +250,32 @@ class Offloader:
 
     # -- park / unpark
 
-    def park(self, tags: Iterable[str] = (), *, verify: bool | None = None) -> MoveStats:
+    def park(
+        self,
+        tags: Iterable[str] = (),
+        *,
+        verify: bool | None = None,
+        freed: Callable[[dict[int, int]], None] | None = None,
+    ) -> MoveStats:
         """Copy the tagged regions (all if ``tags`` is empty) to host memory and free their device memory.
 
         Regions already parked are skipped. Raises ``UnknownRegion`` for a tag
         with no regions, and ``BackendError`` when a copy or an unmap fails;
         the regions are then rolled back to resident where that works, and
         ``details["resident"]`` / ``details["parked"]`` name where each ended up.
+
+        ``freed`` (a streamed switch): park region by region, each copied, then unmapped, then
+        told to ``freed`` (node GPU -> bytes given back), so another job may map into its room at
+        once. A failure then rolls nothing back (room already told may be taken): the regions parked
+        so far stay parked, the rest resident, as ``details`` say; the daemon decides what follows.
         """
         verify = self.verify if verify is None else verify
         with self._lock:
             start = self._clock()
             selected = self._select(tags)
             todo = [r for r in selected if r._resident]
+            if freed is not None:
+                return self._park_streamed(todo, selected, start, verify, freed)
             # Phase 1: copy everything out. Nothing is freed yet, so a failure
             # here leaves every region resident.
             failed: Region | None = None
@@ -286,7 +312,9 @@ class Offloader:
                 done.append(r)
             return self._stats("park", todo, selected, start, copy_seconds, verify)
 
-    def unpark(self, tags: Iterable[str] = (), *, verify: bool | None = None) -> MoveStats:
+    def unpark(
+        self, tags: Iterable[str] = (), *, verify: bool | None = None, room: RoomGate | None = None
+    ) -> MoveStats:
         """Map the tagged parked regions (all if ``tags`` is empty) at their addresses and copy them back.
 
         Regions already resident are skipped. Raises ``UnknownRegion`` for a
@@ -294,6 +322,11 @@ class Offloader:
         device memory, say), a copy or verification fails; every region of
         the call is then still parked (``details["parked"]``). A verification
         failure names the region and tag (``details["region"]``, ``["tag"]``).
+
+        ``room`` (a streamed switch): each region is mapped only once ``room`` lets its size be
+        taken on its GPU, and its copy is queued at once; while it waits for room, the copies
+        queued so far are let finish (the link would idle otherwise). A wait that is called off
+        fails the unpark like any other failure: every region stays parked.
         """
         verify = self.verify if verify is None else verify
         with self._lock:
@@ -302,14 +335,23 @@ class Offloader:
             todo = [r for r in selected if not r._resident]
             failed: Region | None = None
             try:
+                copy_start = self._clock()
+                if room is None:
+                    for r in todo:
+                        failed = r
+                        if not r._mapped:
+                            self.memory.map(r.ptr, r.size)
+                            r._mapped = True
+                    copy_start = self._clock()
                 for r in todo:
                     failed = r
-                    if not r._mapped:
+                    if not r._mapped:  # streamed: map each region once its room is there
+                        if room is not None and not room.fits(r.node_gpu, r.size):
+                            self.memory.synchronize()  # the copies queued so far run while we wait
+                        if room is not None:
+                            room.take(r.node_gpu, r.size)
                         self.memory.map(r.ptr, r.size)
                         r._mapped = True
-                copy_start = self._clock()
-                for r in todo:
-                    failed = r
                     assert r._host is not None  # a parked region always has its host copy
                     self.memory.copy_to_device_async(r.ptr, r._host, r.nbytes)
                 failed = None
@@ -335,6 +377,36 @@ class Offloader:
                 r._resident = True
             self._trim_host_buffers()
             return self._stats("unpark", todo, selected, start, copy_seconds, verify)
+
+    def _park_streamed(
+        self,
+        todo: Sequence[Region],
+        selected: Sequence[Region],
+        start: float,
+        verify: bool,
+        freed: Callable[[dict[int, int]], None],
+    ) -> MoveStats:
+        """``park(freed=...)``: region by region, copy, wait for it, unmap, tell (the lock is held)."""
+        copy_start = self._clock()
+        for r in todo:
+            try:
+                if r._host is None:
+                    r._host = self.memory.host_alloc(r.nbytes)
+                self.memory.copy_to_host_async(r._host, r.ptr, r.nbytes)
+                self.memory.synchronize()  # the bytes are on the host before the memory goes
+                r._checksum = checksum(r._host.view) if verify else None
+                self.memory.unmap(r.ptr, r.size)
+            except Exception as exc:
+                self._drain()
+                raise self._failure("park", exc, r, selected) from exc
+            r._mapped = False
+            r._resident = False
+            try:
+                freed({r.node_gpu: r.size})
+            except Exception:  # telling is the shell's business: the park goes on whatever
+                pass
+        copy_seconds = self._clock() - copy_start
+        return self._stats("park", todo, selected, start, copy_seconds, verify)
 
     def close(self) -> None:
         """Free every region and host buffer (the device memory object stays open)."""

@@ -1,0 +1,378 @@
+"""The pieces of a streamed offload swap, without a daemon: the relay's room, the client's room, the executor."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from typing import Any
+
+import pytest
+
+from timesliced import errors
+from timesliced.backends.offload import Relay
+from timesliced.client.directives import Room, Rooms, run_directive
+from timesliced.client.offload import HostDeviceMemory, Offloader
+
+MiB = 1 << 20
+R = 2 * MiB  # one region of the fake memory
+
+
+def relay(free: dict[int, int] | None = None) -> tuple[Relay, list[tuple[int, dict[str, Any]]]]:
+    sent: list[tuple[int, dict[str, Any]]] = []
+    r = Relay(free or {})
+    r.attach(lambda directive, data: sent.append((directive, data)))
+    return r, sent
+
+
+# --- the relay (daemon side) ---------------------------------------------------------------------
+
+
+def test_the_free_room_goes_at_once_and_freed_room_as_it_comes() -> None:
+    r, sent = relay({0: 2 * R})
+    assert r.incoming(7, {0: 4 * R}) == {0: 2 * R}
+    assert r.handed == 0
+    r.freed({0: R})
+    assert sent == [(7, {"room": {"0": R}})] and r.handed == R
+    r.freed({0: 3 * R})  # more than it needs: it gets its need, the rest waits for another
+    assert sent[-1] == (7, {"room": {"0": R}}) and r.granted[7] == {0: 4 * R}
+
+
+def test_room_goes_to_the_processes_in_order_each_up_to_its_need_and_per_gpu() -> None:
+    r, sent = relay()
+    assert r.incoming(1, {0: R, 1: R}) == {}
+    assert r.incoming(2, {0: 2 * R}) == {}
+    r.freed({0: 2 * R, 1: R})
+    assert sent == [(1, {"room": {"0": R, "1": R}}), (2, {"room": {"0": R}})]
+    r.left(1)
+    r.freed({1: R})  # nobody left needs GPU 1
+    assert len(sent) == 2
+
+
+def test_a_process_whose_need_is_unknown_takes_all_there_is() -> None:
+    r, sent = relay({0: R})
+    assert r.incoming(1, None) == {0: R}
+    r.freed({0: 5 * R})
+    assert sent == [(1, {"room": {"0": 5 * R}})]
+
+
+def test_rest_and_cancel_go_once_to_the_processes_still_at_work() -> None:
+    r, sent = relay()
+    r.incoming(1, {0: R})
+    r.incoming(2, {0: R})
+    r.left(1)
+    r.rest()
+    r.cancel("too late")
+    r.freed({0: R})  # after the end nothing more is relayed
+    assert sent == [(2, {"rest": True})] and r.ended
+
+
+def test_room_freed_after_a_failed_park_is_held_back() -> None:
+    r, sent = relay()
+    r.incoming(1, {0: 4 * R})
+    r.holding = True
+    r.freed({0: R})
+    assert sent == [] and r.handed == 0
+
+
+def test_what_is_granted_never_exceeds_the_free_room_plus_what_was_freed() -> None:
+    rng = random.Random(14)
+    for _ in range(200):
+        free = {g: rng.randrange(0, 4) * R for g in range(2)}
+        r, _sent = relay(free)
+        freed = dict.fromkeys(range(2), 0)
+        for directive in range(rng.randrange(1, 4)):
+            need = None if rng.random() < 0.2 else {g: rng.randrange(0, 6) * R for g in range(2)}
+            r.incoming(directive, need)
+        for _ in range(rng.randrange(0, 8)):
+            g = rng.randrange(2)
+            freed[g] += R
+            r.freed({g: R})
+            if rng.random() < 0.1:
+                r.left(rng.randrange(3))
+        for g in range(2):
+            total = sum(grants.get(g, 0) for grants in r.granted.values())
+            assert total <= free[g] + freed[g]
+        assert r.handed <= sum(freed.values())
+
+
+# --- the room (client side) ----------------------------------------------------------------------
+
+
+def test_a_take_waits_for_its_room_and_a_call_off_ends_the_wait() -> None:
+    room = Room({0: R})
+    room.take(0, R)
+    assert not room.fits(0, R) and not room.fits(1, 1)
+    got: list[str] = []
+    t = threading.Thread(target=lambda: (room.take(0, R), got.append("took")))
+    t.start()
+    t.join(0.05)
+    assert got == []  # no room yet
+    room.grant({0: R})
+    t.join(5)
+    assert got == ["took"]
+    room.end("the daemon went away")
+    with pytest.raises(errors.BackendError, match="called off: the daemon went away"):
+        room.take(0, 0)
+
+
+def test_an_open_room_has_no_limit() -> None:
+    room = Room()
+    room.open()
+    room.take(3, 1 << 40)
+    room.wait_open()
+
+
+def test_the_rooms_of_a_client_follow_its_pushes_and_end_with_its_connection() -> None:
+    rooms = Rooms()
+    rooms.opened({"directive": 4, "action": "unpark", "room": {"0": R}})
+    rooms.opened({"directive": 5, "action": "park", "stream": True})  # a park has no room
+    assert rooms.room(5) is None
+    room = rooms.room(4)
+    assert room is not None and room.fits(0, R) and not room.fits(0, 2 * R)
+    rooms.relayed({"directive": 4, "room": {"0": R, "x": 5, "1": -1}})  # what is not a GPU's bytes is left out
+    assert room.fits(0, 2 * R) and not room.fits(1, 1)
+    rooms.relayed({"directive": 99, "rest": True})  # over already: nothing to do
+    rooms.lost("connection reset")
+    with pytest.raises(errors.BackendError, match="connection reset"):
+        room.take(0, 1)
+    rooms.closed(4)
+    assert rooms.room(4) is None
+
+
+# --- the executor ----------------------------------------------------------------------------------
+
+
+def traced(regions: int = 3) -> tuple[Offloader, list[tuple[str, int]], list[Any]]:
+    events: list[tuple[str, int]] = []
+    memory = HostDeviceMemory(gpus=1, trace=lambda event, gpu, n: events.append((event, n)))
+    off = Offloader(memory)
+    mine = [off.alloc(R, tag="w") for _ in range(regions)]
+    for i, r in enumerate(mine):
+        r.write(bytes([i + 1]) * 16)
+    events.clear()
+    return off, events, mine
+
+
+def test_a_streamed_park_frees_each_region_before_it_says_so() -> None:
+    off, events, _ = traced()
+    off.park(freed=lambda gpus: events.append(("freed", gpus[0])))
+    assert events == [("unmap", R), ("freed", R)] * 3
+    assert off.resident() == {}
+
+
+def test_a_streamed_park_that_fails_part_way_rolls_nothing_back() -> None:
+    off, _events, mine = traced()
+    calls = {"n": 0}
+    unmap = off.memory.unmap
+
+    def failing(va: int, nbytes: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise errors.BackendError("unmap fell over")
+        unmap(va, nbytes)
+
+    off.memory.unmap = failing  # type: ignore[method-assign]
+    told: list[dict[int, int]] = []
+    with pytest.raises(errors.BackendError, match="unmap fell over") as err:
+        off.park(freed=told.append)
+    assert told == [{0: R}]  # only the region that was freed
+    assert err.value.details["parked"] == [mine[0].name]
+    assert err.value.details["resident"] == [mine[1].name, mine[2].name]
+    off.memory.unmap = unmap  # type: ignore[method-assign]
+    off.park()  # finishing it parks the rest
+    off.unpark()
+    assert [r.read(0, 16) for r in mine] == [bytes([i + 1]) * 16 for i in range(3)]
+
+
+def test_a_streamed_unpark_maps_only_into_the_room_it_was_granted() -> None:
+    off, events, mine = traced()
+    off.park()
+    events.clear()
+    room = Room({0: R})
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (off.unpark(room=room), done.set()))
+    t.start()
+    for granted in (1, 2):
+        t.join(0.05)
+        assert [e for e in events if e[0] == "map"] == [("map", R)] * granted and not done.is_set()
+        room.grant({0: R})
+    t.join(5)
+    assert done.is_set() and [r.read(0, 16) for r in mine] == [bytes([i + 1]) * 16 for i in range(3)]
+
+
+def test_a_streamed_unpark_that_is_called_off_leaves_every_region_parked() -> None:
+    off, _events, mine = traced()
+    off.park()
+    room = Room({0: R})
+    room_end = threading.Timer(0.05, room.end, ("the park failed",))
+    room_end.start()
+    with pytest.raises(errors.BackendError, match="called off: the park failed") as err:
+        off.unpark(room=room)
+    room_end.join()
+    assert err.value.details["parked"] == [r.name for r in mine]
+    assert off.resident() == {} and off.memory.used_bytes() == 0
+    off.unpark()  # nothing was lost
+    assert mine[2].read(0, 16) == bytes([3]) * 16
+
+
+class Whole:
+    """An executor that cannot stream: it unparks all at once."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def park(self, tags: Any = (), *, verify: bool | None = None) -> dict[str, Any]:
+        self.calls.append("park")
+        return {"nbytes": 1}
+
+    def unpark(self, tags: Any = (), *, verify: bool | None = None) -> dict[str, Any]:
+        self.calls.append("unpark")
+        return {"nbytes": 1}
+
+
+def test_an_executor_that_cannot_stream_unparks_once_the_park_ended_and_parks_as_ever() -> None:
+    executor = Whole()
+    room = Room({0: 10 * R})
+    answers: list[dict[str, Any]] = []
+    t = threading.Thread(
+        target=lambda: answers.append(run_directive(executor, {"directive": 1, "action": "unpark"}, room=room))
+    )
+    t.start()
+    t.join(0.05)
+    assert executor.calls == []  # free room is not enough: it maps all at once, so it waits for the rest
+    room.open()
+    t.join(5)
+    assert executor.calls == ["unpark"] and answers[0]["ok"]
+    told: list[Any] = []
+    park = {"directive": 2, "action": "park", "stream": True}
+    assert run_directive(executor, park, freed=told.append)["ok"] and told == []
+
+
+# --- the daemon's side: the backend's swap over the directives, connections faked ------------------
+
+
+class Conn:
+    """A job process's connection as the directives see it: it records what is pushed to it."""
+
+    def __init__(self, conn_id: int) -> None:
+        self.id = conn_id
+        self.pushed: list[tuple[str, dict[str, Any]]] = []
+
+    def push(self, event: str, data: dict[str, Any]) -> None:
+        self.pushed.append((event, data))
+
+    def directives(self, action: str | None = None) -> list[dict[str, Any]]:
+        return [d for e, d in self.pushed if e == "offload" and action in (None, d["action"])]
+
+    def rooms(self) -> list[dict[str, Any]]:
+        return [d for e, d in self.pushed if e == "offload_room"]
+
+
+def swap_setup() -> tuple[Any, Conn, Conn, Any]:
+    from timesliced.backends.base import JobTarget
+    from timesliced.backends.offload import OffloadBackend
+    from timesliced.daemon.directives import Directives
+    from timesliced.wire.park import ParkSpec
+
+    a, b = Conn(1), Conn(2)
+    directives = Directives(lambda job: {"a": [a], "b": [b]}[job])
+    backend = OffloadBackend(directives.direct)
+    spec = ParkSpec("offload")
+    targets = (JobTarget("a", (0,), (), spec), JobTarget("b", (0,), (), spec))
+    return directives, a, b, (backend, targets)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def answer(directives: Any, conn: Conn, directive: dict[str, Any], **kw: Any) -> None:
+    directives.answered(conn, {"directive": directive["directive"], **kw}, {0})
+
+
+def test_the_backend_relays_each_freed_region_to_the_restore_and_lifts_the_limit_at_the_end() -> None:
+    async def body() -> None:
+        directives, a, b, (backend, (out, in_)) = swap_setup()
+        swap = asyncio.ensure_future(backend.swap(out, in_))
+        await settle()
+        (park,), (unpark,) = a.directives("park"), b.directives("unpark")
+        assert park["stream"] and unpark["room"] == {}  # no free room read on a simulated GPU
+        directives.progressed(a, {"directive": park["directive"], "freed": {"0": R}}, {0})
+        assert b.rooms() == [{"directive": unpark["directive"], "room": {"0": R}}]
+        answer(directives, a, park, ok=True, nbytes=2 * R, footprint={"0": 2 * R})
+        await settle()
+        assert b.rooms()[-1] == {"directive": unpark["directive"], "rest": True}
+        answer(directives, b, unpark, ok=True, nbytes=2 * R, footprint={"0": 2 * R})
+        result = await swap
+        assert result.park.nbytes == 2 * R and result.restore.nbytes == 2 * R
+
+    asyncio.run(body())
+
+
+def test_a_park_refused_before_any_room_went_on_is_undone_and_the_restore_called_off() -> None:
+    async def body() -> None:
+        directives, a, b, (backend, (out, in_)) = swap_setup()
+        swap = asyncio.ensure_future(backend.swap(out, in_))
+        await settle()
+        (park,), (unpark,) = a.directives("park"), b.directives("unpark")
+        answer(directives, a, park, ok=False, error="copy failed")
+        await settle()
+        (undo,) = a.directives("unpark")  # the lone park's undo
+        answer(directives, a, undo, ok=True, nbytes=0)
+        await settle()
+        assert b.rooms() == [{"directive": unpark["directive"], "cancel": unpark_cancel(b)}]
+        answer(directives, b, unpark, ok=False, error="the streamed unpark was called off: ...")
+        await settle()
+        (repark,) = b.directives("park")  # the restore's undo
+        answer(directives, b, repark, ok=True, nbytes=0)
+        result = await swap
+        assert isinstance(result.park, errors.ParkRefused) and isinstance(result.restore, errors.RestoreRefused)
+        assert "could not be parked" in str(result.restore)
+
+    asyncio.run(body())
+
+
+def unpark_cancel(conn: Conn) -> str:
+    return str(conn.rooms()[0].get("cancel"))
+
+
+def test_a_park_that_fails_after_room_went_on_is_finished() -> None:
+    async def body() -> None:
+        directives, a, b, (backend, (out, in_)) = swap_setup()
+        swap = asyncio.ensure_future(backend.swap(out, in_))
+        await settle()
+        (park,), (unpark,) = a.directives("park"), b.directives("unpark")
+        directives.progressed(a, {"directive": park["directive"], "freed": {"0": R}}, {0})
+        answer(directives, a, park, ok=False, error="unmap failed")
+        await settle()
+        with pytest.raises(errors.BadRequest, match="no offload directive"):  # its answer came: it is over
+            directives.progressed(a, {"directive": park["directive"], "freed": {"0": R}}, {0})
+        (again,) = a.directives("park")[1:]
+        assert "stream" not in again  # finishing: a plain park
+        answer(directives, a, again, ok=True, nbytes=R)
+        await settle()
+        assert b.rooms() == [
+            {"directive": unpark["directive"], "room": {"0": R}},
+            {"directive": unpark["directive"], "rest": True},
+        ]
+        answer(directives, b, unpark, ok=True, nbytes=2 * R)
+        result = await swap
+        assert result.park.nbytes >= R and result.restore.nbytes == 2 * R
+
+    asyncio.run(body())
+
+
+def test_a_swap_cut_short_calls_the_unpark_off() -> None:
+    async def body() -> None:
+        _directives, _a, b, (backend, (out, in_)) = swap_setup()
+        swap = asyncio.ensure_future(backend.swap(out, in_))
+        await settle()
+        (unpark,) = b.directives("unpark")
+        swap.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await swap
+        assert b.rooms() == [{"directive": unpark["directive"], "cancel": "the swap was cut short"}]
+
+    asyncio.run(body())
