@@ -231,9 +231,8 @@ def test_an_offload_swap_streams_on_the_gpu(tmp_path: Path) -> None:
     The incoming job maps each region only once the outgoing one freed room for it, and its first
     map comes before the outgoing park ends (both read from the jobs' traces, around the driver's
     cuMemMap / cuMemUnmap); no byte is lost. The swap figures (streamed against park then restore,
-    GB/s each way) are printed for the report, never asserted.
+    GB/s each way) are ``timesliced bench offload --device cuda``'s: this stage's time is short.
     """
-    from timesliced.bench.offload import format_offload, swap_figures
     from timesliced.daemon.embedded import EmbeddedDaemon
 
     from ..helpers.offload_swap import read_trace, results, spawn_worker, streaming_problems, swaps
@@ -251,6 +250,3 @@ def test_an_offload_swap_streams_on_the_gpu(tmp_path: Path) -> None:
     assert len(pairs) >= 3, (a, b)
     for park, unpark in pairs:
         assert streaming_problems(park, unpark) == []
-    figures = swap_figures(256, 16, 4, "cuda", 0.0)
-    print(format_offload(figures))
-    assert figures["streamed_switches"] >= 3 and figures["sequential_switches"] >= 3
