@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .processes import REPO
+from .processes import python_env
 
 REGION = 2 << 20  # the fake's mapping granularity: one region is one map
 
@@ -157,13 +157,12 @@ def spawn_worker(
     """One job (``WORKER``); ``device``: ``host`` (the CPU stand-in, paced to ``bandwidth``) or ``cuda`` (GPU 0)."""
     args = (job, address, str(rounds), str(trace), str(regions), str(bandwidth), json.dumps(fault or []), device)
     # The checkout first, and whatever the path held (the GPU check's own dependencies are there).
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return subprocess.Popen(
         [sys.executable, "-c", WORKER, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": path},
+        env=python_env(),
     )
 
 
