@@ -12,3 +12,10 @@ The daemon's side (arenas, parking, restoring) is the ``sim`` backend.
 # faster (about 25 GB/s for PCIe 4.0 x16), so a switch on the sim costs more than on a GPU: a
 # benchmark on the sim shows the daemon's switch costs with a modest link, never page faults.
 DEFAULT_BANDWIDTH = 2e9
+
+# How many bytes of restored jobs' parked files the simulated GPU keeps, mapped, for the next parks to
+# write into (``timesliced.backends.sim_buffers``): a park into them copies at the machine's warm copy
+# rate instead of the rate the tmpfs allocates new pages at. 1 GiB: a switch of jobs up to that size
+# is warm after its first round, while a small machine keeps most of its memory; the pool counts as
+# room for parked state, so it never makes a park refused. ``--sim-pool`` sizes it, 0 turns it off.
+DEFAULT_POOL = 1 << 30
