@@ -10,7 +10,11 @@ Figures, all measured in one run:
   mapped (``MAP_POPULATE``) beforehand.
 - ``sim``: for each model bandwidth and move size, the sim backend's snapshot, restore and swap:
   the time the model gives, the time the move took, and ``ratio`` = achieved / model bandwidth
-  (1.0: the move took exactly the modelled time; under 1.0: slower than the model).
+  (1.0: the move took exactly the modelled time; under 1.0: slower than the model). Each is run
+  twice, without the pool of warm parked-file buffers (``pool`` off: every park writes new tmpfs
+  pages, as before the pool) and with it (on: parks write into the buffers restores left). A move's
+  time is what the backend measured of it (``MoveResult.seconds``; a swap's is its later half's),
+  so the event loop's hop to the worker thread, common to every method, is not in it.
 """
 
 from __future__ import annotations
@@ -146,14 +150,19 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
     return out
 
 
-async def _sim_moves(root: Path, sizes: tuple[int, ...], bandwidth: float, reps: int) -> list[dict[str, Any]]:
+async def _sim_moves(
+    root: Path, sizes: tuple[int, ...], bandwidth: float, reps: int, *, pool: bool
+) -> list[dict[str, Any]]:
+    from ..backends.base import MoveResult
     from ..backends.sim import SimBackend
     from ..sim.region import SimRegion
 
     page = 2 * MiB
     top = max(sizes) * MiB
     capacity = 2 * -(-top // page) * page  # room for two jobs of the largest size: a swap needs both
-    backend = SimBackend(root, gpus=1, capacity=capacity, page_size=page, bandwidth=bandwidth)
+    backend = SimBackend(
+        root, gpus=1, capacity=capacity, page_size=page, bandwidth=bandwidth, pool=capacity if pool else 0
+    )
     rows: list[dict[str, Any]] = []
     try:
         for mib in sizes:
@@ -167,12 +176,11 @@ async def _sim_moves(root: Path, sizes: tuple[int, ...], bandwidth: float, reps:
             for _ in range(reps):
                 times["snapshot"].append((await backend.snapshot("a")).seconds)
                 times["restore"].append((await backend.restore("a")).seconds)
-                swap = getattr(backend, "swap", None)
-                if swap is not None:
-                    start = time.perf_counter()
-                    await swap("a", "b")
-                    await swap("b", "a")
-                    times["swap"].append((time.perf_counter() - start) / 2)
+                for out, in_ in (("a", "b"), ("b", "a")):
+                    done = await backend.swap(out, in_)
+                    if not (isinstance(done.park, MoveResult) and isinstance(done.restore, MoveResult)):
+                        raise RuntimeError(f"bench copy: a swap failed: {done}")
+                    times["swap"].append(max(done.park.seconds, done.restore.seconds))
             model = n / bandwidth if bandwidth else 0.0
             for kind, seconds in times.items():
                 if not seconds:
@@ -180,6 +188,7 @@ async def _sim_moves(root: Path, sizes: tuple[int, ...], bandwidth: float, reps:
                 took = sorted(seconds)[len(seconds) // 2]
                 row: dict[str, Any] = {
                     "model_gbps": bandwidth / 1e9,
+                    "pool": "on" if pool else "off",
                     "mib": mib,
                     "kind": kind,
                     "model_s": model,
@@ -196,9 +205,17 @@ async def _sim_moves(root: Path, sizes: tuple[int, ...], bandwidth: float, reps:
 
 
 def run_copy(
-    *, bandwidths: list[float] | None = None, sizes: tuple[int, ...] = SIZES_MIB, reps: int = 3, mib: int = 256
+    *,
+    bandwidths: list[float] | None = None,
+    sizes: tuple[int, ...] = SIZES_MIB,
+    reps: int = 3,
+    mib: int = 256,
+    pools: tuple[bool, ...] = (False, True),
 ) -> dict[str, Any]:
-    """Measure the copy ceiling, then the sim's moves at each model bandwidth (GB/s; default: a spread)."""
+    """Measure the copy ceiling, then the sim's moves at each model bandwidth (GB/s; default: a spread).
+
+    ``pools``: run the moves without the pool of warm buffers (False), with it (True), or both.
+    """
     base = Path(tempfile.mkdtemp(prefix="timesliced-copy-", dir=default_sim_dir(Path(tempfile.gettempdir())).parent))
     try:
         ceiling = measure_ceiling(base, mib=mib, reps=reps)
@@ -206,9 +223,10 @@ def run_copy(
         chosen = bandwidths or sorted({1.0, 2.0, round(warm * 0.5, 1), round(warm * 0.9, 1)})
         sim: list[dict[str, Any]] = []
         for gbps in chosen:
-            root = base / f"sim-{gbps:g}"
-            sim += asyncio.run(_sim_moves(root, sizes, gbps * 1e9, reps))
-            shutil.rmtree(root, ignore_errors=True)
+            for pool in pools:
+                root = base / f"sim-{gbps:g}-{pool}"
+                sim += asyncio.run(_sim_moves(root, sizes, gbps * 1e9, reps, pool=pool))
+                shutil.rmtree(root, ignore_errors=True)
         return {"ceiling": ceiling, "sim": sim}
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -220,12 +238,22 @@ def format_copy(result: dict[str, Any]) -> str:
         f"copy ceiling on this machine: warm {c['warm_gbps']:.2f} GB/s   into fresh tmpfs pages "
         f"{c['fresh_mmap_gbps']:.2f} (mmap) / {c['fresh_write_gbps']:.2f} (write) GB/s   "
         f"into pre-faulted tmpfs pages {c['prefaulted_gbps']:.2f} GB/s",
-        f"{'model GB/s':>10} {'MiB':>6} {'move':>9} {'model ms':>9} {'took ms':>9} {'GB/s':>7} {'ratio':>6}",
+        f"{'model GB/s':>10} {'pool':>4} {'MiB':>6} {'move':>9} {'model ms':>9} {'took ms':>9} {'GB/s':>7} "
+        f"{'ratio':>6}",
     ]
     for r in result["sim"]:
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
         lines.append(
-            f"{r['model_gbps']:>10.1f} {r['mib']:>6} {r['kind']:>9} {r['model_s'] * 1e3:>9.1f} "
-            f"{r['took_s'] * 1e3:>9.1f} {r['achieved_gbps']:>7.2f} {ratio:>6}"
+            f"{r['model_gbps']:>10.1f} {r['pool']:>4} {r['mib']:>6} {r['kind']:>9} {r['model_s'] * 1e3:>9.2f} "
+            f"{r['took_s'] * 1e3:>9.2f} {r['achieved_gbps']:>7.2f} {ratio:>6}"
         )
+    lines.append("ratio = achieved / model GB/s (1.00: on the model); lowest per model bandwidth, pool and size:")
+    lowest: dict[tuple[float, str], dict[int, float]] = {}
+    for r in result["sim"]:
+        if r["ratio"] is not None:
+            sizes = lowest.setdefault((r["model_gbps"], r["pool"]), {})
+            sizes[r["mib"]] = min(sizes.get(r["mib"], r["ratio"]), r["ratio"])
+    for (gbps, pool), sizes in lowest.items():
+        shown = "  ".join(f"{mib} MiB {ratio:.2f}" for mib, ratio in sorted(sizes.items()))
+        lines.append(f"  {gbps:>5.1f} GB/s pool {pool:>3}: {shown}")
     return "\n".join(lines)
