@@ -26,9 +26,11 @@ from ..helpers.sims import PAGE, Sims
 CHUNK = 3 * PAGE + 4096
 
 
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True, params=["helper", "inline"])
+def small_chunks(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """Small chunks, the park's copied in the swap's helper thread (as large ones are) or inline (small ones)."""
     monkeypatch.setattr(sim, "_CHUNK", CHUNK)
+    monkeypatch.setattr(sim, "_HELPER_MIN", 0 if request.param == "helper" else CHUNK + 1)
 
 
 def fill(sims: Sims, info: RegionInfo, seed: int) -> bytes:

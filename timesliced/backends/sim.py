@@ -64,6 +64,10 @@ from timesliced.util.parse import exact_size, human_size
 # machine's warm copy ceiling (32 MiB is about 3 ms at 10 GB/s), yet an abandoned move stops within a few
 # milliseconds.
 _CHUNK = 32 << 20
+# A swap's park copies a chunk in its helper thread, beside the restore's chunk, only from this size on:
+# handing a chunk to another thread and back costs two wake-ups (100-150 us on a 2-core machine), more
+# than copying 2 MiB a second time in the same thread.
+_HELPER_MIN = 2 << 20
 _MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
 
 
@@ -151,24 +155,61 @@ class _Pacer:
     chunk's due time, so a copy that runs faster than the model (the usual case below the machine's
     copy ceiling) ends on the model's time, and the move's fixed costs (control file commits, opening
     files) are taken out of the sleep instead of being added to it. ``start`` is when the move began.
+    What follows the last byte (the commit) is taken out too: the schedule runs ``lead`` seconds
+    early, ``lead`` being what that tail took in the moves before (``_Tail``).
     """
 
-    def __init__(self, bandwidth: float, abort: threading.Event, start: float | None = None) -> None:
+    def __init__(self, bandwidth: float, abort: threading.Event, start: float | None = None, lead: float = 0.0) -> None:
         self._bandwidth = bandwidth
         self._abort = abort
-        self._start = time.perf_counter() if start is None else start
+        self._start = (time.perf_counter() if start is None else start) - lead
         self.moved = 0
+        self.copied_at = 0.0  # when the last chunk's wait ended: the tail starts there
 
     def advance(self, nbytes: int) -> None:
         self.moved += nbytes
         if self._abort.is_set():
             raise _Aborted
-        if not self._bandwidth:
-            return
-        due = self._start + self.moved / self._bandwidth
-        while (left := due - time.perf_counter()) > 0:
-            if self._abort.wait(left):
-                raise _Aborted
+        if self._bandwidth:
+            _wait_until(self._start + self.moved / self._bandwidth, self._abort)
+        self.copied_at = time.perf_counter()
+
+
+class _Tail:
+    """What one kind of move takes after its last byte is copied (the commit), learnt from the moves before.
+
+    A running mean, so one slow commit (a loaded machine) moves it little, kept under ``_TAIL_MAX_S``
+    so that a stall never makes moves run early by much: a small move at a fast model is otherwise
+    late by its fixed costs (some 60-150 us here), a fifth of a 1 MiB move's time at 2 GB/s.
+    """
+
+    def __init__(self) -> None:
+        self.lead = 0.0
+
+    def learn(self, seconds: float) -> None:
+        self.lead = min(_TAIL_MAX_S, max(0.0, 0.7 * self.lead + 0.3 * seconds))
+
+
+_TAIL_MAX_S = 1e-3
+_NEVER = threading.Event()  # an abort nobody sets: a wait that only time ends
+
+
+# How long before a due time a paced copy stops sleeping and spins. A sleeping thread wakes some
+# 40-90 us late here (the kernel's default timer slack of 50 us plus the wake-up), often more on a
+# loaded machine: a 1 MiB move, 130 us at 8 GB/s, would take half as long again. Spinning for the last
+# 200 us holds the GIL for that long at most, once per chunk.
+_SPIN_S = 200e-6
+
+
+def _wait_until(due: float, abort: threading.Event, other: threading.Event | None = None) -> None:
+    """Return at ``due`` (``time.perf_counter``); raise ``_Aborted`` as soon as ``abort`` (or ``other``) is set."""
+    while (left := due - time.perf_counter()) > 0:
+        if abort.is_set() or (other is not None and other.is_set()):
+            raise _Aborted
+        if left > _SPIN_S and abort.wait(left - _SPIN_S):
+            raise _Aborted
+    if abort.is_set() or (other is not None and other.is_set()):
+        raise _Aborted
 
 
 _fallocate = os.posix_fallocate  # a seam for tests: a full tmpfs fails here with ENOSPC
@@ -258,6 +299,7 @@ class SimBackend:
         self._addresses: list[int] = []
         self._parked_bufs: dict[tuple[str, int], Buffer] = {}  # (job, region) -> its parked file, mapped
         self._helper: concurrent.futures.ThreadPoolExecutor | None = None  # a swap's second copying thread
+        self._tails = {kind: _Tail() for kind in ("snapshot", "restore", "swap")}
         self._allocators = [_Allocator(capacity // page_size) for _ in range(gpus)]
         # A byte per page: 1 where the arena file's pages are allocated (``_back``) and not punched since,
         # so ``_back`` skips them: ``posix_fallocate`` over allocated pages still walks every 4 KiB page,
@@ -576,7 +618,7 @@ class SimBackend:
                 records = list(j.regions.values())
             files: list[_ParkFile] = []
             try:
-                moved = self._write_parked(j, records, move, start, files)
+                pacer = self._write_parked(j, records, move, start, files)
                 with self._lock:
                     parked = {k: dataclasses.replace(r, extents=()) for k, r in j.regions.items()}
                     self._update(j, state=PARKED, epoch=j.epoch + 1, regions=parked)
@@ -590,7 +632,8 @@ class SimBackend:
             with self._lock:  # only now, with the host copy committed, can the pages go
                 for record in records:
                     self._release_pages(record, keep=True)
-            return MoveResult(moved, time.perf_counter() - start)
+            end = self._no_earlier_than_the_model("snapshot", pacer, start)
+            return MoveResult(pacer.moved, end - start)
         finally:
             self._finish(j, move)
 
@@ -607,7 +650,7 @@ class SimBackend:
                     raise errors.RestoreRefused(exc.message, **exc.details) from exc
             bufs: dict[int, Buffer] = {}
             try:
-                moved = self._read_parked(j, placed, move, start, bufs)
+                pacer = self._read_parked(j, placed, move, start, bufs)
                 with self._lock:
                     self._update(j, state=RESIDENT, epoch=j.epoch + 1, regions={r.region: r for r in placed})
             except BaseException as exc:
@@ -617,10 +660,11 @@ class SimBackend:
                     for region, buf in bufs.items():  # the parked copy stays, and stays mapped
                         self._parked_bufs[(j.name, region)] = buf
                 self._reraise("restore", j, exc)
-            took = time.perf_counter() - start  # the job is on the device: what follows is cleaning up
+            # the job is on the device: what follows is cleaning up
+            end = self._no_earlier_than_the_model("restore", pacer, start)
             self._recycle(bufs.values())
             shutil.rmtree(parked_dir(self.root, j.name), ignore_errors=True)
-            return MoveResult(moved, took)
+            return MoveResult(pacer.moved, end - start)
         finally:
             self._finish(j, move)
 
@@ -654,11 +698,11 @@ class SimBackend:
 
     def _write_parked(
         self, j: _Job, records: list[RegionRecord], move: _Move, start: float, files: list[_ParkFile]
-    ) -> int:
+    ) -> _Pacer:
         """Copy the regions to their parked files (appended to ``files`` as they open), paced."""
         folder = parked_dir(self.root, j.name)
         folder.mkdir(mode=0o700, exist_ok=True)
-        pacer = _Pacer(self.bandwidth, move.abort, start)
+        pacer = _Pacer(self.bandwidth, move.abort, start, self._tails["snapshot"].lead)
         try:
             for r in records:
                 files.append(self._park_file(folder, r))
@@ -673,7 +717,18 @@ class SimBackend:
         finally:
             for f in files:
                 f.close()
-        return pacer.moved
+        return pacer
+
+    def _no_earlier_than_the_model(self, kind: str, pacer: _Pacer, start: float) -> float:
+        """Learn the move's tail, and hold its end to the model's time if the tail came short of its lead.
+
+        The state is committed already: only the caller's return waits. Returns the end.
+        """
+        if not (self.bandwidth and pacer.moved):
+            return time.perf_counter()
+        self._tails[kind].learn(time.perf_counter() - pacer.copied_at)
+        _wait_until(start + pacer.moved / self.bandwidth, _NEVER)
+        return time.perf_counter()
 
     def _park_file(self, folder: Path, r: RegionRecord) -> _ParkFile:
         """Where region ``r``'s parked copy goes: a warm buffer from the pool, else a new file."""
@@ -754,14 +809,14 @@ class SimBackend:
 
     def _read_parked(
         self, j: _Job, placed: list[RegionRecord], move: _Move, start: float, bufs: dict[int, Buffer]
-    ) -> int:
+    ) -> _Pacer:
         """Copy the parked files (mapped, added to ``bufs`` as they are) into the placed pages, paced.
 
         A mapping of the parked file with its page tables populated: one memory copy per chunk,
         which runs faster than ``read(2)`` through the page cache (``timesliced bench copy``); a
         file this daemon parked into a pool buffer is mapped already.
         """
-        pacer = _Pacer(self.bandwidth, move.abort, start)
+        pacer = _Pacer(self.bandwidth, move.abort, start, self._tails["restore"].lead)
         for r in placed:
             buf = bufs[r.region] = self._parked_buffer(j.name, r)
             pos, base = 0, self._addresses[r.gpu]
@@ -769,7 +824,7 @@ class SimBackend:
                 ctypes.memmove(base + offset, buf.address + pos, n)
                 pos += n
                 pacer.advance(n)
-        return pacer.moved
+        return pacer
 
     def _chunks(self, r: RegionRecord) -> list[tuple[int, int]]:
         """(arena offset, length) pieces covering the region's ``nbytes`` in order."""
@@ -1140,6 +1195,8 @@ class _Swap:
         self.abort = claims[0].abort
         self.other_abort = claims[1].abort
         self.start = time.perf_counter()
+        self.lead = sim._tails["swap"].lead  # the schedule runs early by what the commits took before
+        self.copied_at = 0.0  # when the later direction's commit step began (its due time reached)
         self.page = sim.page_size
         self.pool: dict[int, list[int]] = {}  # gpu -> pages the park handed over, not yet taken
         # the park: region by region, chunk by chunk
@@ -1178,6 +1235,8 @@ class _Swap:
                     self._step_a()
                 else:
                     self._step_b_or_fail()
+            if self.sim.bandwidth and self.copied_at and not isinstance(self.a_result, Exception):
+                self.sim._tails["swap"].learn(time.perf_counter() - self.copied_at)
         except BaseException as exc:
             if self.b_result is None:
                 self._fail_b(exc)
@@ -1205,14 +1264,10 @@ class _Swap:
         return SwapResult(self.a_result, self.b_result)
 
     def _due(self, moved: int) -> float:
-        return self.start + (moved / self.sim.bandwidth if self.sim.bandwidth else 0.0)
+        return self.start - self.lead + (moved / self.sim.bandwidth if self.sim.bandwidth else 0.0)
 
     def _sleep_until(self, due: float) -> None:
-        if self.abort.is_set() or self.other_abort.is_set():
-            raise _Aborted
-        while (left := due - time.perf_counter()) > 0:
-            if self.abort.wait(left):
-                raise _Aborted
+        _wait_until(due, self.abort, self.other_abort)
 
     def _begin(self) -> None:
         """Check that the incoming job fits in free pages plus the outgoing job's, then start the park."""
@@ -1259,6 +1314,7 @@ class _Swap:
         """
         sim, a = self.sim, self.a
         if self.a_index == len(self.a_records):
+            self.copied_at = time.perf_counter()
             with sim._lock:
                 sim._update(a, state=PARKED, epoch=a.epoch + 1)  # every region's extents are empty by now
             self.a_result = MoveResult(self.a_moved, time.perf_counter() - self.start)
@@ -1268,17 +1324,17 @@ class _Swap:
         r = self.a_records[self.a_index]
         offset, n = sim._chunks(r)[self.a_piece]
         self.a_piece += 1
-        write = self.helper.submit(
-            self.a_files[self.a_index].write,
-            sim._views[r.gpu][offset : offset + n],
-            sim._addresses[r.gpu] + offset,
-            self.a_pos,
-        )
-        try:
+        args = (sim._views[r.gpu][offset : offset + n], sim._addresses[r.gpu] + offset, self.a_pos)
+        if n < _HELPER_MIN or beside is None:
+            self.a_files[self.a_index].write(*args)
             if beside is not None:
                 beside()
-        finally:
-            write.result()  # the chunk is on the host (or its error is raised) before its pages go
+        else:
+            write = self.helper.submit(self.a_files[self.a_index].write, *args)
+            try:
+                beside()
+            finally:
+                write.result()  # the chunk is on the host (or its error is raised) before its pages go
         self.a_pos += n
         self.a_moved += n
         done = self.a_pos == r.nbytes
@@ -1354,6 +1410,7 @@ class _Swap:
         """Copy the restore's next chunk into free or handed-over pages; or commit the restore."""
         sim, b = self.sim, self.b
         if self.b_index == len(self.b_records):
+            self.copied_at = time.perf_counter()
             placed = {r.region: dataclasses.replace(r, extents=_runs(self.b_placed[r.region])) for r in self.b_records}
             with sim._lock:
                 for record in placed.values():

@@ -5,12 +5,15 @@ The daemon's side (arenas, parking, restoring) is the ``sim`` backend.
 """
 
 # The simulated host<->device link's default bandwidth, in bytes per second (one direction; a swap
-# uses both at once). 2 GB/s because the sim must be able to honour it on a small machine: a park
-# writes into pages the tmpfs allocates afresh, which a 2-core machine copies at about 3 GB/s
-# (``timesliced bench copy``: 2.9-3.6 GB/s here, against a warm-copy ceiling of 10-12 GB/s), and a
-# restore reads at 4-5 GB/s; 2 GB/s leaves a third in hand for a loaded machine. A real PCIe link is
-# faster (about 25 GB/s for PCIe 4.0 x16), so a switch on the sim costs more than on a GPU: a
-# benchmark on the sim shows the daemon's switch costs with a modest link, never page faults.
+# uses both at once). 2 GB/s because the sim must honour it on a small machine at every size, from its
+# first switch on: a park into pages the tmpfs allocates afresh (no warm buffer in the pool yet) runs
+# at about 3 GB/s on a 2-core machine (``timesliced bench copy``: 2.8-3.6 GB/s here, against a
+# warm-copy ceiling of 7-11 GB/s as the machine is loaded), and a 1 MiB swap's fixed costs (some
+# 0.3 ms) fit in its 0.5 ms only up to about that. Once the pool is warm, lone moves of 16 MiB and
+# more follow models up to about 0.9 of the warm ceiling, and swaps up to about half of it (their two
+# directions copy at once, on two cores). A real PCIe link is faster (about 25 GB/s for PCIe 4.0
+# x16), so a switch on the sim costs more than on a GPU: a benchmark on the sim shows the daemon's
+# switch costs with a modest link, never page faults.
 DEFAULT_BANDWIDTH = 2e9
 
 # How many bytes of restored jobs' parked files the simulated GPU keeps, mapped, for the next parks to
