@@ -7,7 +7,13 @@ from timesliced.bench.copy import describe_link, format_copy, run_copy
 
 def test_bench_copy_reports_the_ceiling_and_each_move_against_its_model() -> None:
     result = run_copy(bandwidths=[1.0], sizes=(1,), reps=1, mib=4)
-    assert set(result["ceiling"]) == {"warm_gbps", "fresh_mmap_gbps", "fresh_write_gbps", "prefaulted_gbps"}
+    assert set(result["ceiling"]) == {
+        "warm_gbps",
+        "warm_chunked_gbps",
+        "fresh_mmap_gbps",
+        "fresh_write_gbps",
+        "prefaulted_gbps",
+    }
     assert all(v > 0 for v in result["ceiling"].values())
     rows = {(r["pool"], r["kind"]): r for r in result["sim"]}  # the before (no pool) and the after
     assert set(rows) == {(pool, kind) for pool in ("off", "on") for kind in ("snapshot", "restore", "swap")}
