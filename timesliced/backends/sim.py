@@ -1239,6 +1239,7 @@ class _Swap:
                     self._step_b_or_fail()
             if self.sim.bandwidth and self.copied_at and not isinstance(self.a_result, Exception):
                 self.sim._tails["swap"].learn(time.perf_counter() - self.copied_at)
+            self._not_before_the_model()
         except BaseException as exc:
             if self.b_result is None:
                 self._fail_b(exc)
@@ -1264,6 +1265,22 @@ class _Swap:
             self.pool.clear()
         assert self.a_result is not None and self.b_result is not None
         return SwapResult(self.a_result, self.b_result)
+
+    def _not_before_the_model(self) -> None:
+        """Hold the swap's end to the model's time, and each direction's to its own.
+
+        The schedule runs early by the commits' learnt ``lead``; commits that took less than that
+        leave the swap early: it waits the rest (both directions are committed: only the return
+        waits), and a direction's time is the model's if it committed before.
+        """
+        bw = self.sim.bandwidth
+        if not bw:
+            return
+        _wait_until(self.start + max(self.a_moved, self.b_moved) / bw, _NEVER)
+        if isinstance(self.a_result, MoveResult):
+            self.a_result = dataclasses.replace(self.a_result, seconds=max(self.a_result.seconds, self.a_moved / bw))
+        if isinstance(self.b_result, MoveResult):
+            self.b_result = dataclasses.replace(self.b_result, seconds=max(self.b_result.seconds, self.b_moved / bw))
 
     def _due(self, moved: int) -> float:
         return self.start - self.lead + (moved / self.sim.bandwidth if self.sim.bandwidth else 0.0)
