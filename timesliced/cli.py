@@ -24,7 +24,7 @@ from .daemon.config_commands import add_config_commands, with_config_file
 from .daemon.configfile import apply_groups, size_arg
 from .daemon.parking import CHOICES
 from .env import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV, TOKEN_ENV, default_state_dir, read_admin_token, read_token
-from .sim import DEFAULT_BANDWIDTH
+from .sim import DEFAULT_BANDWIDTH, DEFAULT_POOL
 from .sim import clean as sim_clean
 from .util.parse import parse_host_port
 from .version import __version__
@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="this machine's memory copy ceiling, and the sim's moves against their bandwidth model",
         description="Measures a warm memory copy (the machine's ceiling), a copy into fresh and into pre-faulted "
         "tmpfs pages, then the simulated GPU's snapshot, restore and swap of 1 MiB to 1 GiB at several model "
-        "bandwidths: the time the model gives, the time taken, and their ratio (1.0: on the model).",
+        "bandwidths, without and with its pool of warm parked-file buffers: the time the model gives, the time "
+        "taken, and their ratio (1.0: on the model).",
     )
     copy.add_argument(
         "--bandwidth",
@@ -206,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     copy.add_argument("--mib", type=int, action="append", help="a move size in MiB (repeatable; default 1 16 256 1024)")
     copy.add_argument("--rounds", type=int, default=3, help="moves of each kind per size (the median is shown)")
+    copy.add_argument(
+        "--pool",
+        choices=("both", "on", "off"),
+        default="both",
+        help="the sim's moves with its pool of warm parked-file buffers (--sim-pool), without it, or both (the "
+        "before and after)",
+    )
     copy.add_argument("--json", action="store_true", help="print one JSON object")
     copy.set_defaults(run=cmd_bench_copy)
     return parser
@@ -262,6 +270,15 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
         "memory allows; `timesliced bench copy` shows what this machine can honour)",
     )
     p.add_argument("--sim-dir", type=Path, default=None, help="where simulated device memory lives (tmpfs)")
+    p.add_argument(
+        "--sim-pool",
+        type=size_arg,
+        default=f"{DEFAULT_POOL >> 30}GiB",
+        metavar="SIZE",
+        help="host memory the simulated GPU keeps of restored jobs' parked files, mapped, for the next parks to copy "
+        "into at the machine's warm copy rate (default %(default)s; 0: none); counted as room for parked state, "
+        "shown as host_memory.sim_pool in status",
+    )
     p.add_argument(
         "--lock-timeout", type=float, default=10.0, metavar="S", help="cuda-checkpoint: wait for a process to lock"
     )
@@ -381,6 +398,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         gpus=args.gpus,
         gpu_memory=args.gpu_memory,
         bandwidth=args.bandwidth * 1e9,
+        sim_pool=args.sim_pool,
         listen=args.listen,
         sim_dir=args.sim_dir,
         socket_path=args.socket,
@@ -636,7 +654,8 @@ def cmd_bench_copy(args: argparse.Namespace) -> int:
     sizes = tuple(args.mib) if args.mib else SIZES_MIB
     if any(m < 1 for m in sizes) or any(b <= 0 for b in args.bandwidth or ()) or args.rounds < 1:
         raise SystemExit("timesliced: bench copy: sizes, bandwidths and rounds must be positive")
-    result = run_copy(bandwidths=args.bandwidth, sizes=sizes, reps=args.rounds)
+    pools = {"both": (False, True), "on": (True,), "off": (False,)}[args.pool]
+    result = run_copy(bandwidths=args.bandwidth, sizes=sizes, reps=args.rounds, pools=pools)
     print(json.dumps(result, indent=2) if args.json else format_copy(result))
     return 0
 

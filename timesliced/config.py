@@ -14,7 +14,7 @@ from pathlib import Path
 from .core.policy import AGING_S, QueuePolicy
 from .core.slices import SlicePolicy
 from .env import default_sim_dir, default_socket_path, default_state_dir
-from .sim import DEFAULT_BANDWIDTH
+from .sim import DEFAULT_BANDWIDTH, DEFAULT_POOL
 
 GiB = 1 << 30
 DEFAULT_WEB = ("127.0.0.1", 7712)
@@ -88,6 +88,7 @@ class DaemonConfig:
     page_size: int = 2 << 20
     bandwidth: float = DEFAULT_BANDWIDTH  # bytes/s of the simulated host link; 0 = as fast as memory allows
     sim_dir: Path | None = None  # None: default_sim_dir(state_dir)
+    sim_pool: int = DEFAULT_POOL  # bytes of warm parked-file buffers the simulated GPU keeps; 0 = none
     max_frame: int = 1 << 20
     max_connections: int = 4096
     max_connections_per_client: int = 256  # from one process (Unix socket) or one host (TCP)

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,37 @@ def test_a_park_over_the_limit_is_refused_and_every_byte_stays(run_daemon: Any) 
         a.acquire()  # its bytes never left the GPU: its next slice just works
         assert region.checksum() == digest
         a.release()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", [64 * MiB, 0])
+def test_the_sims_pool_of_warm_buffers_is_in_status_counted_as_room_and_bounded(run_daemon: Any, pool: int) -> None:
+    daemon = run_daemon(sim_pool=pool)  # a GPU of 64 MiB: two jobs of 40 MiB take turns
+    a, region_a, digest_a = holder_with_bytes(daemon, "a", 40 * MiB)
+    b, region_b, digest_b = holder_with_bytes(daemon, "b", 40 * MiB)  # a was parked for b
+    a.acquire(timeout=30)  # b is parked, a restored: a's parked files are the pool's now
+    assert region_a.checksum() == digest_a
+    a.release()
+    b.acquire(timeout=30)  # a's park writes into them; b's restore leaves its own
+    assert region_b.checksum() == digest_b
+    time.sleep(0.3)  # readings come every 0.1 s: wait for one taken after the switches
+
+    def fresh() -> bool:
+        age = b.status()["host_memory"]["age_s"]
+        return age is not None and age < 0.1
+
+    wait_for(fresh, timeout=10)
+    doc = b.status()["host_memory"]
+    b.release()
+    a.close()
+    b.close()
+    held = doc["sim_pool"]["held"]
+    assert doc["sim_pool"]["limit"] == pool
+    assert held == (40 * MiB if pool else 0) and (doc["sim_pool"]["taken"] >= 1) == bool(pool)
+    assert doc["tmpfs"] is not None
+    assert doc["pools"][f"tmpfs:{doc['tmpfs']['path']}"] == doc["tmpfs"]["free"] + held  # the pool is room
+    pool_dir = default_sim_dir(daemon.config.state_dir) / "pool"
+    assert sum(f.stat().st_size for f in pool_dir.iterdir()) == held
 
 
 def fake_host(root: Path, *, limit: int, used: int) -> None:

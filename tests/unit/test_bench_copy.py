@@ -7,15 +7,27 @@ from timesliced.bench.copy import describe_link, format_copy, run_copy
 
 def test_bench_copy_reports_the_ceiling_and_each_move_against_its_model() -> None:
     result = run_copy(bandwidths=[1.0], sizes=(1,), reps=1, mib=4)
-    assert set(result["ceiling"]) == {"warm_gbps", "fresh_mmap_gbps", "fresh_write_gbps", "prefaulted_gbps"}
+    assert set(result["ceiling"]) == {
+        "warm_gbps",
+        "warm_chunked_gbps",
+        "fresh_mmap_gbps",
+        "fresh_write_gbps",
+        "prefaulted_gbps",
+    }
     assert all(v > 0 for v in result["ceiling"].values())
-    rows = {r["kind"]: r for r in result["sim"]}
-    assert set(rows) == {"snapshot", "restore", "swap"}
+    rows = {(r["pool"], r["kind"]): r for r in result["sim"]}  # the before (no pool) and the after
+    assert set(rows) == {(pool, kind) for pool in ("off", "on") for kind in ("snapshot", "restore", "swap")}
     for r in rows.values():
         assert r["model_gbps"] == 1.0 and r["mib"] == 1 and r["model_s"] == (1 << 20) / 1e9
         assert r["took_s"] > 0 and r["ratio"] == r["model_s"] / r["took_s"]
     text = format_copy(result)
-    assert "copy ceiling on this machine: warm" in text and len(text.splitlines()) == 2 + 3
+    assert "copy ceiling on this machine: warm" in text and len(text.splitlines()) == 2 + 6 + 1 + 2
+    assert "1.0 GB/s pool off: 1 MiB " in text and "1.0 GB/s pool  on: 1 MiB " in text
+
+
+def test_bench_copy_runs_one_side_alone() -> None:
+    result = run_copy(bandwidths=[1.0], sizes=(1,), reps=1, mib=4, pools=(True,))
+    assert {r["pool"] for r in result["sim"]} == {"on"} and len(result["sim"]) == 3
 
 
 def test_the_link_line_says_when_the_model_outruns_the_machine() -> None:

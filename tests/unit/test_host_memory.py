@@ -146,6 +146,33 @@ def test_the_sim_tmpfs_is_a_pool_of_its_free_space(v2_host: Path) -> None:
     assert doc["tmpfs"] == reading.tmpfs and doc["age_s"] == 1.5 and doc["limit"] == 2 * GiB
 
 
+def test_the_sim_pool_of_warm_buffers_counts_as_room_everywhere_its_pages_are_charged(v2_host: Path) -> None:
+    held = {"held": 200 * MiB, "limit": 1 * GiB, "taken": 2, "missed": 1}
+    probe = HostMemory(
+        limit=None,
+        margin=0,
+        sim_dir=Path("/dev/shm/timesliced-0-abc"),
+        root=v2_host,
+        statvfs=statvfs(1 * GiB, 300 * MiB),  # type: ignore[arg-type]
+        pool=lambda: held,  # type: ignore[arg-type,return-value]
+    )
+    reading = probe.read([JobPlace("sim-job", "sim", (1,))], now=0.0)
+    # The pool's pages are tmpfs pages of the daemon: out of MemAvailable, not free on the tmpfs, in the
+    # daemon's cgroup. A park takes them first, so each of the three gets them back as room.
+    assert reading.notice.room == 40 * GiB + 200 * MiB
+    assert reading.notice.pools["tmpfs:/dev/shm"] == 500 * MiB
+    own = 4 * GiB - (3 * GiB - 512 * MiB)  # limit - used (inactive file pages left out), no margin
+    assert reading.notice.pools["cgroup:/system.slice/timesliced.service"] == own + 200 * MiB
+    assert reading.tmpfs == {"path": "/dev/shm", "size": 1 * GiB, "free": 300 * MiB}  # the figure as read
+    assert "plus 200.0 MiB of the simulated GPU's warm buffers" in reading.notice.source["tmpfs:/dev/shm"]
+    assert probe.describe(now=1.0)["sim_pool"] == held
+    held["held"] = 0  # an empty pool adds nothing, and says nothing
+    again = probe.read([JobPlace("sim-job", "sim", (1,))], now=2.0)
+    assert again.notice.room == 40 * GiB and again.notice.pools["tmpfs:/dev/shm"] == 300 * MiB
+    assert "warm buffers" not in again.notice.source["host"]
+    assert HostMemory(limit=None, margin=0, sim_dir=None, root=v2_host).describe(now=0.0)["sim_pool"] is None
+
+
 def test_a_sim_dir_on_a_disk_is_no_tmpfs_pool(v2_host: Path) -> None:
     probe = HostMemory(limit=None, margin=0, sim_dir=Path("/var/lib/timesliced/sim"), root=v2_host)
     assert probe.read([], now=0.0).tmpfs is None

@@ -266,14 +266,30 @@ def test_snapshot_of_one_job_and_restore_of_another_run_together(sims: Sims) -> 
 
 
 def test_moves_take_at_least_nbytes_over_bandwidth(sims: Sims) -> None:
-    bandwidth = 32 * MiB
+    bandwidth = 64 * MiB
     b = sims.backend(bandwidth=bandwidth)
     sims.open(b.alloc("a", 0, 16 * PAGE)).fill(b"z")
     sims.open(b.alloc("a", 1, 16 * PAGE)).fill(b"z")
-    for move in (b.snapshot, b.restore):
-        result = asyncio.run(move("a"))
-        assert result.nbytes == 32 * PAGE
-        assert result.seconds >= result.nbytes / bandwidth
+    b._tails["snapshot"].lead = b._tails["restore"].lead = sim._TAIL_MAX_S  # their schedules run 1 ms early
+    for _ in range(3):  # and still no move ends before the model says
+        for move in (b.snapshot, b.restore):
+            result = asyncio.run(move("a"))
+            assert result.nbytes == 32 * PAGE
+            assert result.seconds >= result.nbytes / bandwidth
+    assert 0 < b._tails["snapshot"].lead <= sim._TAIL_MAX_S and 0 < b._tails["restore"].lead <= sim._TAIL_MAX_S
+
+
+def test_what_a_move_learns_of_its_commit_is_a_running_mean_kept_small() -> None:
+    tail = sim._Tail()
+    tail.learn(100e-6)
+    assert tail.lead == pytest.approx(30e-6)
+    for _ in range(50):
+        tail.learn(100e-6)
+    assert tail.lead == pytest.approx(100e-6)
+    tail.learn(5.0)  # one stalled commit moves runs early by at most the cap
+    assert tail.lead == sim._TAIL_MAX_S
+    tail.learn(-1.0)
+    assert 0 <= tail.lead < sim._TAIL_MAX_S
 
 
 def test_free_drops_regions_whether_resident_or_parked(sims: Sims) -> None:

@@ -26,9 +26,11 @@ from ..helpers.sims import PAGE, Sims
 CHUNK = 3 * PAGE + 4096
 
 
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True, params=["helper", "inline"])
+def small_chunks(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """Small chunks, the park's copied in the swap's helper thread (as large ones are) or inline (small ones)."""
     monkeypatch.setattr(sim, "_CHUNK", CHUNK)
+    monkeypatch.setattr(sim, "_HELPER_MIN", 0 if request.param == "helper" else CHUNK + 1)
 
 
 def fill(sims: Sims, info: RegionInfo, seed: int) -> bytes:
@@ -79,6 +81,19 @@ def test_swap_streams_a_job_into_the_room_another_frees(sims: Sims) -> None:
     back = asyncio.run(b.swap("b", "a"))  # and the other way
     assert isinstance(back.park, MoveResult) and isinstance(back.restore, MoveResult)
     assert b.job_state("a") == "resident" and b.job_state("b") == "parked" and holds(jobs["a"])
+
+
+def test_a_paced_swap_never_ends_before_the_model_says(sims: Sims) -> None:
+    bandwidth = 64 * (1 << 20)
+    b, jobs = full_gpu(sims, bandwidth=bandwidth)
+    b._tails["swap"].lead = sim._TAIL_MAX_S  # as if commits had taken long: the schedule runs 1 ms early
+    for out, in_ in (("a", "b"), ("b", "a")) * 2:
+        result = asyncio.run(b.swap(out, in_))
+        assert isinstance(result.park, MoveResult) and isinstance(result.restore, MoveResult)
+        assert result.park.seconds >= result.park.nbytes / bandwidth
+        assert result.restore.seconds >= result.restore.nbytes / bandwidth
+        assert holds(jobs[in_])
+    assert 0 < b._tails["swap"].lead <= sim._TAIL_MAX_S
 
 
 def test_swap_that_cannot_fit_moves_nothing(sims: Sims) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -28,18 +29,20 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
 from timesliced import errors
 from timesliced.backends.base import DeviceInfo, JobTarget, MoveResult, SwapResult, job_name
-from timesliced.sim import DEFAULT_BANDWIDTH
+from timesliced.backends.sim_buffers import Buffer, BufferPool
+from timesliced.sim import COPY_CHUNK, DEFAULT_BANDWIDTH, DEFAULT_POOL
 from timesliced.sim.layout import (
     FAULTED,
     LOCK_NAME,
     PARKED,
     PARKING,
+    POOL_NAME,
     RECLAIMED,
     RESIDENT,
     STATE_NAMES,
@@ -60,7 +63,11 @@ from timesliced.util.parse import exact_size, human_size
 # and the pacer's clock read, some microseconds) stays well under 1% of a chunk's copy time even at the
 # machine's warm copy ceiling (32 MiB is about 3 ms at 10 GB/s), yet an abandoned move stops within a few
 # milliseconds.
-_CHUNK = 32 << 20
+_CHUNK = COPY_CHUNK
+# A swap's park copies a chunk in its helper thread, beside the restore's chunk, only from this size on:
+# handing a chunk to another thread and back costs two wake-ups (100-150 us on a 2-core machine), more
+# than copying 2 MiB a second time in the same thread.
+_HELPER_MIN = 2 << 20
 _MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
 
 
@@ -148,24 +155,61 @@ class _Pacer:
     chunk's due time, so a copy that runs faster than the model (the usual case below the machine's
     copy ceiling) ends on the model's time, and the move's fixed costs (control file commits, opening
     files) are taken out of the sleep instead of being added to it. ``start`` is when the move began.
+    What follows the last byte (the commit) is taken out too: the schedule runs ``lead`` seconds
+    early, ``lead`` being what that tail took in the moves before (``_Tail``).
     """
 
-    def __init__(self, bandwidth: float, abort: threading.Event, start: float | None = None) -> None:
+    def __init__(self, bandwidth: float, abort: threading.Event, start: float | None = None, lead: float = 0.0) -> None:
         self._bandwidth = bandwidth
         self._abort = abort
-        self._start = time.perf_counter() if start is None else start
+        self._start = (time.perf_counter() if start is None else start) - lead
         self.moved = 0
+        self.copied_at = 0.0  # when the last chunk's wait ended: the tail starts there
 
     def advance(self, nbytes: int) -> None:
         self.moved += nbytes
         if self._abort.is_set():
             raise _Aborted
-        if not self._bandwidth:
-            return
-        due = self._start + self.moved / self._bandwidth
-        while (left := due - time.perf_counter()) > 0:
-            if self._abort.wait(left):
-                raise _Aborted
+        if self._bandwidth:
+            _wait_until(self._start + self.moved / self._bandwidth, self._abort)
+        self.copied_at = time.perf_counter()
+
+
+class _Tail:
+    """What one kind of move takes after its last byte is copied (the commit), learnt from the moves before.
+
+    A running mean, so one slow commit (a loaded machine) moves it little, kept under ``_TAIL_MAX_S``
+    so that a stall never makes moves run early by much: a small move at a fast model is otherwise
+    late by its fixed costs (some 60-150 us here), a fifth of a 1 MiB move's time at 2 GB/s.
+    """
+
+    def __init__(self) -> None:
+        self.lead = 0.0
+
+    def learn(self, seconds: float) -> None:
+        self.lead = min(_TAIL_MAX_S, max(0.0, 0.7 * self.lead + 0.3 * seconds))
+
+
+_TAIL_MAX_S = 1e-3
+_NEVER = threading.Event()  # an abort nobody sets: a wait that only time ends
+
+
+# How long before a due time a paced copy stops sleeping and spins. A sleeping thread wakes some
+# 40-90 us late here (the kernel's default timer slack of 50 us plus the wake-up), often more on a
+# loaded machine: a 1 MiB move, 130 us at 8 GB/s, would take half as long again. Spinning for the last
+# 200 us holds the GIL for that long at most, once per chunk.
+_SPIN_S = 200e-6
+
+
+def _wait_until(due: float, abort: threading.Event, other: threading.Event | None = None) -> None:
+    """Return at ``due`` (``time.perf_counter``); raise ``_Aborted`` as soon as ``abort`` (or ``other``) is set."""
+    while (left := due - time.perf_counter()) > 0:
+        if abort.is_set() or (other is not None and other.is_set()):
+            raise _Aborted
+        if left > _SPIN_S and abort.wait(left - _SPIN_S):
+            raise _Aborted
+    if abort.is_set() or (other is not None and other.is_set()):
+        raise _Aborted
 
 
 _fallocate = os.posix_fallocate  # a seam for tests: a full tmpfs fails here with ENOSPC
@@ -175,6 +219,44 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
+
+
+class _ParkFile:
+    """Where one region's parked copy is being written: a warm pool buffer, or a new file.
+
+    Into a pool buffer a chunk is one memory copy at the machine's warm copy rate; into a new file
+    it is a ``pwrite``, the kernel filling the pages ``posix_fallocate`` allocated (faster than a
+    copy through a mapping of new pages, which faults each 4 KiB page in: ``timesliced bench copy``,
+    fresh ``write`` against fresh ``mmap``). Both let go of the GIL while they copy.
+    """
+
+    def __init__(self, path: Path, buf: Buffer | None, fd: int | None) -> None:
+        self.path = path  # ``<region>.bin.tmp`` until complete
+        self.buf = buf
+        self.fd = fd
+
+    def write(self, src: memoryview, address: int, pos: int) -> None:
+        """Copy ``src`` (at ``address`` in memory) to ``pos`` of the file."""
+        if self.buf is not None:
+            ctypes.memmove(self.buf.address + pos, address, len(src))
+        else:
+            assert self.fd is not None
+            _pwrite_all(self.fd, src, pos)
+
+    def complete(self) -> None:
+        """Give the file its final name, ``<region>.bin``: only a complete parked copy has it."""
+        final = self.path.with_name(self.path.name.removesuffix(".tmp"))
+        if self.buf is not None:
+            self.buf.rename(final)
+        else:
+            os.rename(self.path, final)
+        self.path = final
+
+    def close(self) -> None:
+        """Close the file's descriptor; a buffer stays mapped (the restore reads it warm)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class SimBackend:
@@ -190,6 +272,7 @@ class SimBackend:
         capacity: int,
         page_size: int = 2 << 20,
         bandwidth: float = DEFAULT_BANDWIDTH,
+        pool: int = DEFAULT_POOL,
     ) -> None:
         if gpus < 1:
             raise ValueError(f"gpus must be at least 1, not {gpus}")
@@ -201,6 +284,8 @@ class SimBackend:
             raise ValueError(f"capacity / page_size must be under 2**32 pages, not {capacity // page_size}")
         if bandwidth < 0:
             raise ValueError(f"bandwidth must be >= 0 (0 = unlimited), not {bandwidth}")
+        if pool < 0:
+            raise ValueError(f"pool must be >= 0 bytes (0: no pool of parked-file buffers), not {pool}")
         self.root = Path(root).absolute()
         self.gpus = gpus
         self.capacity = capacity
@@ -211,10 +296,20 @@ class SimBackend:
         self._recovered: dict[str, tuple[str, dict[int, int]]] = {}
         self._arenas: list[mmap.mmap] = []
         self._views: list[memoryview] = []
+        self._anchors: list[ctypes.c_char] = []  # pin each arena's mapping: copies use its address
+        self._addresses: list[int] = []
+        self._parked_bufs: dict[tuple[str, int], Buffer] = {}  # (job, region) -> its parked file, mapped
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None  # a swap's second copying thread
+        self._tails = {kind: _Tail() for kind in ("snapshot", "restore", "swap")}
         self._allocators = [_Allocator(capacity // page_size) for _ in range(gpus)]
+        # A byte per page: 1 where the arena file's pages are allocated (``_back``) and not punched since,
+        # so ``_back`` skips them: ``posix_fallocate`` over allocated pages still walks every 4 KiB page,
+        # some 8 ms per 256 MiB, which a restore into kept pages would pay on its model's time.
+        self._backed = [bytearray(capacity // page_size) for _ in range(gpus)]
         self._can_punch = _MADV_REMOVE is not None
         for d in (self.root, self.root / "jobs", self.root / "parked"):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.pool = BufferPool(self.root / POOL_NAME, pool)
         # One daemon per root: the lock dies with its process, so a crashed daemon never blocks a new one.
         lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
         self._unlock = weakref.finalize(self, os.close, lock_fd)
@@ -344,6 +439,7 @@ class SimBackend:
                 raise errors.BackendError(f"job {job!r} is being moved; free region {region} after the move")
             self._update(j, regions={k: v for k, v in j.regions.items() if k != region})
             self._release_pages(record)
+            self._unmap_parked(job, region)
             (parked_dir(self.root, job) / f"{region}.bin").unlink(missing_ok=True)
         return self.rounded(record.nbytes)
 
@@ -382,6 +478,7 @@ class SimBackend:
                 self._update(j, strict=False, state=RECLAIMED, epoch=j.epoch + 1, regions={})
                 for record in old:
                     self._release_pages(record)
+                self._unmap_parked(job)
                 del self._jobs[job]
                 for gpu, allocator in enumerate(self._allocators):  # what moves kept mapped goes back too
                     self._punch(gpu, tuple(allocator.free_runs()))
@@ -404,6 +501,20 @@ class SimBackend:
             m.abort.set()
         for m in moves:
             m.done.wait(timeout=60)
+        if self._helper is not None:
+            self._helper.shutdown(wait=not any(not m.done.is_set() for m in moves))
+            self._helper = None
+        if all(m.done.is_set() for m in moves):
+            # Copies address the mappings directly: unpin and unmap them only with no copy running. A
+            # move still running after the wait keeps them mapped (the arena's close below fails on
+            # its pin) to the process's end, so it can never write into unmapped memory.
+            with self._lock:
+                bufs, self._parked_bufs = list(self._parked_bufs.values()), {}
+            for buf in bufs:
+                buf.close()
+            self.pool.close()
+            self._anchors = []
+        self._addresses = []
         for view in self._views:
             view.release()
         for arena in self._arenas:
@@ -456,6 +567,18 @@ class SimBackend:
                 claim.abort.set()
             raise
 
+    def _helper_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread a swap's park copies in while the restore copies in the swap's own: one for the backend.
+
+        Started once and kept, since starting a thread per swap cost about a millisecond, which a
+        swap of a few MiB at a fast model cannot spare. Up to four swaps (of other jobs) copy at once;
+        the executor starts its threads only as they are needed.
+        """
+        with self._lock:
+            if self._helper is None:
+                self._helper = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="timesliced-swap")
+            return self._helper
+
     def _swap(self, a: _Job, b: _Job, claims: tuple[_Move, _Move]) -> SwapResult:
         try:
             return _Swap(self, a, b, claims).run()
@@ -494,20 +617,24 @@ class SimBackend:
                 except errors.BackendError as exc:  # nothing changed: the job runs on, whole
                     raise errors.ParkRefused(f"snapshot of job {j.name!r} was not started: {exc.message}") from exc
                 records = list(j.regions.values())
+            files: list[_ParkFile] = []
             try:
-                moved = self._write_parked(j, records, move, start)
+                pacer = self._write_parked(j, records, move, start, files)
                 with self._lock:
                     parked = {k: dataclasses.replace(r, extents=()) for k, r in j.regions.items()}
                     self._update(j, state=PARKED, epoch=j.epoch + 1, regions=parked)
             except BaseException as exc:
+                self._give_back(files)  # warm pages stay warm for the next park
                 shutil.rmtree(parked_dir(self.root, j.name), ignore_errors=True)
                 with self._lock:
                     self._update(j, strict=False, state=RESIDENT, epoch=j.epoch + 1)
                 self._reraise("snapshot", j, exc)
+            self._keep_mapped(j.name, records, files)
             with self._lock:  # only now, with the host copy committed, can the pages go
                 for record in records:
                     self._release_pages(record, keep=True)
-            return MoveResult(moved, time.perf_counter() - start)
+            end = self._no_earlier_than_the_model("snapshot", pacer, start)
+            return MoveResult(pacer.moved, end - start)
         finally:
             self._finish(j, move)
 
@@ -522,18 +649,23 @@ class SimBackend:
                     placed = self._take_pages(j)
                 except errors.OutOfMemory as exc:  # nothing was touched: the parked copy is whole
                     raise errors.RestoreRefused(exc.message, **exc.details) from exc
+            bufs: dict[int, Buffer] = {}
             try:
-                moved = self._read_parked(j, placed, move, start)
+                pacer = self._read_parked(j, placed, move, start, bufs)
                 with self._lock:
                     self._update(j, state=RESIDENT, epoch=j.epoch + 1, regions={r.region: r for r in placed})
             except BaseException as exc:
                 with self._lock:
                     for record in placed:
                         self._release_pages(record, keep=True)
+                    for region, buf in bufs.items():  # the parked copy stays, and stays mapped
+                        self._parked_bufs[(j.name, region)] = buf
                 self._reraise("restore", j, exc)
-            took = time.perf_counter() - start  # the job is on the device: what follows is cleaning up
+            # the job is on the device: what follows is cleaning up
+            end = self._no_earlier_than_the_model("restore", pacer, start)
+            self._recycle(bufs.values())
             shutil.rmtree(parked_dir(self.root, j.name), ignore_errors=True)
-            return MoveResult(moved, took)
+            return MoveResult(pacer.moved, end - start)
         finally:
             self._finish(j, move)
 
@@ -565,41 +697,62 @@ class SimBackend:
             self._zero_tail(record)
         return placed
 
-    def _write_parked(self, j: _Job, records: list[RegionRecord], move: _Move, start: float) -> int:
+    def _write_parked(
+        self, j: _Job, records: list[RegionRecord], move: _Move, start: float, files: list[_ParkFile]
+    ) -> _Pacer:
+        """Copy the regions to their parked files (appended to ``files`` as they open), paced."""
         folder = parked_dir(self.root, j.name)
         folder.mkdir(mode=0o700, exist_ok=True)
-        pacer = _Pacer(self.bandwidth, move.abort, start)
-        fds = []
+        pacer = _Pacer(self.bandwidth, move.abort, start, self._tails["snapshot"].lead)
         try:
             for r in records:
-                fds.append(self._open_parked(folder, r, reserve=False))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        try:
-            for r, fd in zip(records, fds, strict=True):
+                files.append(self._park_file(folder, r))
+            for r, f in zip(records, files, strict=True):
                 pos = 0
+                base = self._addresses[r.gpu]
                 for offset, n in self._chunks(r):
-                    _pwrite_all(fd, self._views[r.gpu][offset : offset + n], pos)
+                    f.write(self._views[r.gpu][offset : offset + n], base + offset, pos)
                     pos += n
                     pacer.advance(n)
-                os.rename(folder / f"{r.region}.bin.tmp", folder / f"{r.region}.bin")  # complete files only
+                f.complete()  # complete files only
         finally:
-            for fd in fds:
-                os.close(fd)
-        return pacer.moved
+            for f in files:
+                f.close()
+        return pacer
+
+    def _no_earlier_than_the_model(self, kind: str, pacer: _Pacer, start: float) -> float:
+        """Learn the move's tail, and hold its end to the model's time if the tail came short of its lead.
+
+        The state is committed already: only the caller's return waits. Returns the end.
+        """
+        if not (self.bandwidth and pacer.moved):
+            return time.perf_counter()
+        self._tails[kind].learn(time.perf_counter() - pacer.copied_at)
+        _wait_until(start + pacer.moved / self.bandwidth, _NEVER)
+        return time.perf_counter()
+
+    def _park_file(self, folder: Path, r: RegionRecord) -> _ParkFile:
+        """Where region ``r``'s parked copy goes: a warm buffer from the pool, else a new file."""
+        path = folder / f"{r.region}.bin.tmp"
+        buf = self.pool.take(r.nbytes, path)
+        if buf is not None:
+            return _ParkFile(path, buf, None)
+        try:
+            return _ParkFile(path, None, self._open_parked(folder, r, reserve=True))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.pool.drop():
+                raise
+        return _ParkFile(path, None, self._open_parked(folder, r, reserve=True))  # once more, the pool given back
 
     def _open_parked(self, folder: Path, r: RegionRecord, *, reserve: bool) -> int:
         """A new ``<region>.bin.tmp``; with ``reserve``, all its room taken now.
 
-        A lone snapshot lets ``pwrite`` allocate the tmpfs pages as it copies: that runs as fast as
-        allocating them first (``posix_fallocate`` and then ``pwrite`` into allocated pages cost the
-        same in all, ``timesliced bench copy``), and a tmpfs that fills part way fails the park with
-        ``ENOSPC``, which rolls it back whole. A swap reserves (``posix_fallocate`` fails with
-        ``ENOSPC`` before a byte is copied) because its park must not fail once it has handed pages
-        over to the restore: from then on the host copy is the only whole one. Either way the room
-        the files take is exactly the job's parked state.
+        Parks reserve: ``posix_fallocate`` fails with ``ENOSPC`` before a byte is copied, so a full
+        tmpfs refuses the park whole (and a swap's park, which must not fail once it has handed
+        pages over to the restore, cannot fail for room part way). Allocating first and then
+        ``pwrite`` into the allocated pages costs about what ``pwrite`` allocating them as it goes
+        does (3.1-4.2 against 3.3-3.4 GB/s here, 256 MiB to 1 GiB). The room the files take is
+        exactly the job's parked state.
         """
         fd = os.open(folder / f"{r.region}.bin.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -610,28 +763,70 @@ class SimBackend:
             raise
         return fd
 
-    def _read_parked(self, j: _Job, placed: list[RegionRecord], move: _Move, start: float) -> int:
-        folder = parked_dir(self.root, j.name)
-        pacer = _Pacer(self.bandwidth, move.abort, start)
+    def _keep_mapped(self, job: str, records: list[RegionRecord], files: list[_ParkFile]) -> None:
+        """Keep the parked files written into pool buffers mapped: the restore reads them warm."""
+        with self._lock:
+            for r, f in zip(records, files, strict=False):
+                if f.buf is not None:
+                    self._parked_bufs[(job, r.region)] = f.buf
+
+    def _give_back(self, files: list[_ParkFile]) -> None:
+        """A park rolled back: its pool buffers go back to the pool (their files are nobody's now)."""
+        for f in files:
+            f.close()
+            if f.buf is not None:
+                self.pool.give(f.buf)
+
+    def _recycle(self, bufs: Iterable[Buffer]) -> None:
+        """A restore committed: its parked files, mapped, become the pool's (or are deleted past its limit)."""
+        for buf in bufs:
+            self.pool.give(buf)
+
+    def _unmap_parked(self, job: str, region: int | None = None) -> None:
+        """Unmap the job's parked files (one region's, or all) before they are deleted (under the lock)."""
+        for key in [k for k in self._parked_bufs if k[0] == job and region in (None, k[1])]:
+            self._parked_bufs.pop(key).close()
+
+    def _parked_buffer(self, job: str, r: RegionRecord) -> Buffer:
+        """Region ``r``'s parked file, mapped: kept from its park, or mapped now (a file an earlier daemon wrote).
+
+        Raises ``BackendError`` when the file is missing or not the region's size.
+        """
+        with self._lock:
+            buf = self._parked_bufs.pop((job, r.region), None)
+        path = parked_dir(self.root, job) / f"{r.region}.bin"
+        try:
+            # The file's size, not the mapping's: a copy past the end of a file cut short behind the
+            # mapping's back would be killed by SIGBUS.
+            size = path.stat().st_size
+            if size != r.nbytes:
+                raise errors.BackendError(f"parked copy {path} has {size} bytes, expected {r.nbytes}")
+            return buf if buf is not None else Buffer.open(path)
+        except BaseException as exc:
+            if buf is not None:
+                buf.close()
+            if isinstance(exc, OSError):
+                raise errors.BackendError(f"cannot map parked copy {path}: {exc}") from None
+            raise
+
+    def _read_parked(
+        self, j: _Job, placed: list[RegionRecord], move: _Move, start: float, bufs: dict[int, Buffer]
+    ) -> _Pacer:
+        """Copy the parked files (mapped, added to ``bufs`` as they are) into the placed pages, paced.
+
+        A mapping of the parked file with its page tables populated: one memory copy per chunk,
+        which runs faster than ``read(2)`` through the page cache (``timesliced bench copy``); a
+        file this daemon parked into a pool buffer is mapped already.
+        """
+        pacer = _Pacer(self.bandwidth, move.abort, start, self._tails["restore"].lead)
         for r in placed:
-            path = folder / f"{r.region}.bin"
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                if size != r.nbytes:
-                    raise errors.BackendError(f"parked copy {path} has {size} bytes, expected {r.nbytes}")
-                # A read-only mapping of the parked file: its pages are in memory already, so mapping them
-                # costs little (read faults map pages around the one touched), and one copy per chunk
-                # runs faster than read(2) through the page cache (``timesliced bench copy``).
-                with mmap.mmap(fd, r.nbytes, prot=mmap.PROT_READ) as m, memoryview(m) as src:
-                    pos = 0
-                    for offset, n in self._chunks(r):
-                        self._views[r.gpu][offset : offset + n] = src[pos : pos + n]
-                        pos += n
-                        pacer.advance(n)
-            finally:
-                os.close(fd)
-        return pacer.moved
+            buf = bufs[r.region] = self._parked_buffer(j.name, r)
+            pos, base = 0, self._addresses[r.gpu]
+            for offset, n in self._chunks(r):
+                ctypes.memmove(base + offset, buf.address + pos, n)
+                pos += n
+                pacer.advance(n)
+        return pacer
 
     def _chunks(self, r: RegionRecord) -> list[tuple[int, int]]:
         """(arena offset, length) pieces covering the region's ``nbytes`` in order."""
@@ -753,7 +948,7 @@ class SimBackend:
             start, length = page * self.page_size, count * self.page_size
             lo = max(start, start + r.nbytes - covered)
             if lo < start + length:
-                self._views[r.gpu][lo : start + length] = bytes(start + length - lo)
+                ctypes.memset(self._addresses[r.gpu] + lo, 0, start + length - lo)  # no buffer of zeros to make
             covered += length
 
     def _back(self, gpu: int, extents: tuple[Extent, ...]) -> None:
@@ -764,10 +959,20 @@ class SimBackend:
         ``posix_fallocate`` fails with ``ENOSPC`` instead, and costs little on pages that are there
         already. Raises ``InsufficientHostMemory``; nothing was written.
         """
+        backed = self._backed[gpu]
+        todo = _runs([p for p in _pages(extents) if not backed[p]])
+        if not todo:
+            return
         fd = os.open(arena_path(self.root, gpu), os.O_RDWR)
         try:
-            for page, count in extents:
-                os.posix_fallocate(fd, page * self.page_size, count * self.page_size)
+            for page, count in todo:
+                try:
+                    _fallocate(fd, page * self.page_size, count * self.page_size)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.pool.drop():
+                        raise
+                    _fallocate(fd, page * self.page_size, count * self.page_size)  # the pool given back
+                backed[page : page + count] = b"\x01" * count
         except OSError as exc:
             nbytes = sum(n for _, n in extents) * self.page_size
             raise errors.InsufficientHostMemory(
@@ -785,6 +990,7 @@ class SimBackend:
             if self._can_punch and _MADV_REMOVE is not None:
                 try:
                     self._arenas[gpu].madvise(_MADV_REMOVE, start, length)
+                    self._backed[gpu][page : page + count] = bytes(count)
                     continue
                 except OSError:
                     self._can_punch = False  # e.g. a file system without hole punching
@@ -816,6 +1022,7 @@ class SimBackend:
     # --- start-up: adopt what a previous daemon left -----------------------------------
 
     def _start_up(self) -> None:
+        self.pool.clear_strays()
         jobs_dir = self.root / "jobs"
         for stray in jobs_dir.glob("*.tmp"):
             stray.unlink(missing_ok=True)
@@ -869,6 +1076,8 @@ class SimBackend:
                 os.ftruncate(fd, self.capacity)
             self._arenas.append(mmap.mmap(fd, self.capacity))
             self._views.append(memoryview(self._arenas[-1]))
+            self._anchors.append(ctypes.c_char.from_buffer(self._arenas[-1]))
+            self._addresses.append(ctypes.addressof(self._anchors[-1]))
         finally:
             os.close(fd)
         return size != self.capacity
@@ -988,11 +1197,13 @@ class _Swap:
         self.abort = claims[0].abort
         self.other_abort = claims[1].abort
         self.start = time.perf_counter()
+        self.lead = sim._tails["swap"].lead  # the schedule runs early by what the commits took before
+        self.copied_at = 0.0  # when the later direction's commit step began (its due time reached)
         self.page = sim.page_size
         self.pool: dict[int, list[int]] = {}  # gpu -> pages the park handed over, not yet taken
         # the park: region by region, chunk by chunk
         self.a_records: list[RegionRecord] = []
-        self.a_fds: list[int] = []
+        self.a_files: list[_ParkFile] = []
         self.a_index = self.a_pos = self.a_piece = self.a_moved = 0
         self.a_handed: dict[int, int] = {}  # region -> pages handed over (a prefix of its pages)
         self.a_result: MoveResult | Exception | None = None
@@ -1000,14 +1211,15 @@ class _Swap:
         self.b_records = list(b.regions.values())
         self.b_placed: dict[int, list[int]] = {r.region: [] for r in self.b_records}
         self.b_index = self.b_pos = self.b_moved = 0
-        self.b_src: tuple[int, mmap.mmap, memoryview] | None = None
+        self.b_src: Buffer | None = None  # the region being restored's parked file, mapped
+        self.b_bufs: dict[int, Buffer] = {}  # region -> its parked file, once read from
         self.b_result: MoveResult | Exception | None = None
 
     # --- the whole swap ---------------------------------------------------------------------
 
     def run(self) -> SwapResult:
         self._begin()  # raises when nothing moved
-        self.helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="timesliced-swap")
+        self.helper = self.sim._helper_thread()
         try:
             while self.a_result is None or self.b_result is None:
                 ready = []  # (due, bytes moved, side): the direction due first, the one behind on a tie
@@ -1025,6 +1237,9 @@ class _Swap:
                     self._step_a()
                 else:
                     self._step_b_or_fail()
+            if self.sim.bandwidth and self.copied_at and not isinstance(self.a_result, Exception):
+                self.sim._tails["swap"].learn(time.perf_counter() - self.copied_at)
+            self._not_before_the_model()
         except BaseException as exc:
             if self.b_result is None:
                 self._fail_b(exc)
@@ -1033,10 +1248,17 @@ class _Swap:
             if not isinstance(exc, (Exception, _Aborted)):
                 raise
         finally:
-            self.helper.shutdown(wait=True)
-            self._close_b_src()
-            for fd in self.a_fds:
-                os.close(fd)
+            for f in self.a_files:
+                f.close()
+        if isinstance(self.a_result, MoveResult):
+            self.sim._keep_mapped(self.a.name, self.a_records, self.a_files)
+        else:  # rolled back (its buffers went back to the pool) or faulted: nothing of it stays mapped
+            for f in self.a_files:
+                if f.buf is not None:
+                    f.buf.close()
+        with self.sim._lock:  # a restore that failed: its parked copy stays, and stays mapped for the next try
+            for region, buf in self.b_bufs.items():
+                self.sim._parked_bufs[(self.b.name, region)] = buf
         with self.sim._lock:  # pages handed over that the restore did not need are free device memory
             for gpu, pages in self.pool.items():
                 self.sim._allocators[gpu].give(_runs(pages))
@@ -1044,15 +1266,27 @@ class _Swap:
         assert self.a_result is not None and self.b_result is not None
         return SwapResult(self.a_result, self.b_result)
 
+    def _not_before_the_model(self) -> None:
+        """Hold the swap's end to the model's time, and each direction's to its own.
+
+        The schedule runs early by the commits' learnt ``lead``; commits that took less than that
+        leave the swap early: it waits the rest (both directions are committed: only the return
+        waits), and a direction's time is the model's if it committed before.
+        """
+        bw = self.sim.bandwidth
+        if not bw:
+            return
+        _wait_until(self.start + max(self.a_moved, self.b_moved) / bw, _NEVER)
+        if isinstance(self.a_result, MoveResult):
+            self.a_result = dataclasses.replace(self.a_result, seconds=max(self.a_result.seconds, self.a_moved / bw))
+        if isinstance(self.b_result, MoveResult):
+            self.b_result = dataclasses.replace(self.b_result, seconds=max(self.b_result.seconds, self.b_moved / bw))
+
     def _due(self, moved: int) -> float:
-        return self.start + (moved / self.sim.bandwidth if self.sim.bandwidth else 0.0)
+        return self.start - self.lead + (moved / self.sim.bandwidth if self.sim.bandwidth else 0.0)
 
     def _sleep_until(self, due: float) -> None:
-        if self.abort.is_set() or self.other_abort.is_set():
-            raise _Aborted
-        while (left := due - time.perf_counter()) > 0:
-            if self.abort.wait(left):
-                raise _Aborted
+        _wait_until(due, self.abort, self.other_abort)
 
     def _begin(self) -> None:
         """Check that the incoming job fits in free pages plus the outgoing job's, then start the park."""
@@ -1083,12 +1317,9 @@ class _Swap:
         folder = parked_dir(sim.root, a.name)
         try:
             folder.mkdir(mode=0o700, exist_ok=True)
-            for r in self.a_records:
-                self.a_fds.append(sim._open_parked(folder, r, reserve=True))
+            for r in self.a_records:  # every file's room taken now: the park cannot fail for it part way
+                self.a_files.append(sim._park_file(folder, r))
         except BaseException as exc:
-            for fd in self.a_fds:
-                os.close(fd)
-            self.a_fds = []
             self._roll_back_a()
             sim._reraise("snapshot", a, exc)
 
@@ -1102,6 +1333,7 @@ class _Swap:
         """
         sim, a = self.sim, self.a
         if self.a_index == len(self.a_records):
+            self.copied_at = time.perf_counter()
             with sim._lock:
                 sim._update(a, state=PARKED, epoch=a.epoch + 1)  # every region's extents are empty by now
             self.a_result = MoveResult(self.a_moved, time.perf_counter() - self.start)
@@ -1111,20 +1343,22 @@ class _Swap:
         r = self.a_records[self.a_index]
         offset, n = sim._chunks(r)[self.a_piece]
         self.a_piece += 1
-        write = self.helper.submit(
-            _pwrite_all, self.a_fds[self.a_index], sim._views[r.gpu][offset : offset + n], self.a_pos
-        )
-        try:
+        args = (sim._views[r.gpu][offset : offset + n], sim._addresses[r.gpu] + offset, self.a_pos)
+        if n < _HELPER_MIN or beside is None:
+            self.a_files[self.a_index].write(*args)
             if beside is not None:
                 beside()
-        finally:
-            write.result()  # the chunk is on the host (or its error is raised) before its pages go
+        else:
+            write = self.helper.submit(self.a_files[self.a_index].write, *args)
+            try:
+                beside()
+            finally:
+                write.result()  # the chunk is on the host (or its error is raised) before its pages go
         self.a_pos += n
         self.a_moved += n
         done = self.a_pos == r.nbytes
         if done:
-            folder = parked_dir(sim.root, a.name)
-            os.rename(folder / f"{r.region}.bin.tmp", folder / f"{r.region}.bin")  # before its pages go
+            self.a_files[self.a_index].complete()  # before its pages go
         self._hand_over(r, len(_pages(r.extents)) if done else self.a_pos // self.page)
         if done:
             self.a_index, self.a_pos, self.a_piece = self.a_index + 1, 0, 0
@@ -1145,6 +1379,8 @@ class _Swap:
     def _roll_back_a(self) -> None:
         """Nothing was handed over: the device copy is whole; drop the host copy, the job runs on."""
         sim, a = self.sim, self.a
+        sim._give_back(self.a_files)
+        self.a_files = []
         shutil.rmtree(parked_dir(sim.root, a.name), ignore_errors=True)
         with sim._lock:
             sim._update(a, strict=False, state=RESIDENT, epoch=a.epoch + 1)
@@ -1193,26 +1429,20 @@ class _Swap:
         """Copy the restore's next chunk into free or handed-over pages; or commit the restore."""
         sim, b = self.sim, self.b
         if self.b_index == len(self.b_records):
+            self.copied_at = time.perf_counter()
             placed = {r.region: dataclasses.replace(r, extents=_runs(self.b_placed[r.region])) for r in self.b_records}
             with sim._lock:
                 for record in placed.values():
                     sim._zero_tail(record)
                 sim._update(b, state=RESIDENT, epoch=b.epoch + 1, regions=placed)
             self.b_result = MoveResult(self.b_moved, time.perf_counter() - self.start)
+            sim._recycle(self.b_bufs.values())  # out of the folder before it goes
+            self.b_bufs = {}
             shutil.rmtree(parked_dir(sim.root, b.name), ignore_errors=True)
             return
         r = self.b_records[self.b_index]
         if self.b_src is None:
-            path = parked_dir(sim.root, b.name) / f"{r.region}.bin"
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                if size != r.nbytes:
-                    raise errors.BackendError(f"parked copy {path} has {size} bytes, expected {r.nbytes}")
-                m = mmap.mmap(fd, r.nbytes, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            self.b_src = (r.region, m, memoryview(m))
+            self.b_src = sim._parked_buffer(b.name, r)
         want = min(_CHUNK, r.nbytes - self.b_pos)
         npages = -(-want // self.page)
         got: list[int] = []
@@ -1232,11 +1462,10 @@ class _Swap:
                     raise
                 got += _pages(fresh)
         self.b_placed[r.region] += got
-        src = self.b_src[2]
+        src, base = self.b_src.address, sim._addresses[r.gpu]
         for page, count in _runs(got):
             n = min(count * self.page, r.nbytes - self.b_pos)
-            at = page * self.page
-            sim._views[r.gpu][at : at + n] = src[self.b_pos : self.b_pos + n]
+            ctypes.memmove(base + page * self.page, src + self.b_pos, n)
             self.b_pos += n
             self.b_moved += n
         if self.b_pos == r.nbytes:
@@ -1244,11 +1473,10 @@ class _Swap:
             self.b_index, self.b_pos = self.b_index + 1, 0
 
     def _close_b_src(self) -> None:
+        """Done with the current region's parked file: keep it mapped for the pool, or the next try."""
         if self.b_src is not None:
-            _, m, view = self.b_src
+            self.b_bufs[self.b_records[self.b_index].region] = self.b_src
             self.b_src = None
-            view.release()
-            m.close()
 
     def _fail_b(self, exc: BaseException) -> None:
         """The restore stopped: give back its pages; its parked copy, only read, stays (``_reraise``'s rules)."""

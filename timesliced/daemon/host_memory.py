@@ -29,6 +29,13 @@ The figures, as the kernel documents them:
   type (``cgroup2``, or ``cgroup`` with the controllers among the super options).
 - ``statvfs(2)`` of the simulated GPU's directory: ``f_bavail * f_frsize`` bytes are free.
 
+The simulated GPU keeps the files of restored jobs as a pool of warm buffers for the next parks
+(``backends/sim_buffers.py``). Their pages are the daemon's tmpfs pages, so they are not in
+``MemAvailable``, not free on the tmpfs and charged to the daemon's cgroup; but a park takes them
+before any new page (and a park that finds none big enough gives as much of the pool back first),
+so they are room for parked state: each reading adds what the pool holds (``pooled``) to the host's
+room, the tmpfs's free bytes and the daemon's cgroup's room.
+
 A margin is kept free on the host and in each cgroup: a twentieth of its size, at least 512 MiB on
 the host (64 MiB in a cgroup) and at most 8 GiB; the job's own growth, the kernel and the page cache
 need room besides the parked state. ``--host-memory-margin`` sets one for the host and every
@@ -113,6 +120,7 @@ class HostMemory:
         root: Path = Path("/"),
         self_pid: int | None = None,
         statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+        pool: Callable[[], schema.SimPool] | None = None,
     ) -> None:
         self.limit = limit
         self.margin = margin
@@ -120,6 +128,7 @@ class HostMemory:
         self.root = root
         self.self_pid = self_pid
         self.statvfs = statvfs
+        self.pool = pool  # the simulated GPU's pool of warm buffers, where there is one
         self.last: Reading | None = None
 
     # --- one reading -------------------------------------------------------------------
@@ -127,21 +136,23 @@ class HostMemory:
     def read(self, jobs: Iterable[JobPlace], now: float) -> Reading:
         """Read every figure now; a figure that cannot be read is left out and named in ``errors``."""
         problems: list[str] = []
+        pooled = self.pool()["held"] if self.pool is not None else 0
         total, available = self._meminfo(problems)
         margin = self.margin if self.margin is not None else default_margin(total or 0, 512 * MiB)
-        room = max(0, available - margin) if available is not None else 0
-        source = {"host": self._host_figures(available, margin)}
+        room = max(0, available - margin) + pooled if available is not None else 0
+        source = {"host": self._host_figures(available, margin) + self._pooled(pooled)}
         mounts = self._mounts(problems)
         own = self._cgroup("self" if self.self_pid is None else str(self.self_pid), mounts, problems)
         pools: dict[str, int] = {}
         if own is not None and own.room is not None:
-            pools[f"cgroup:{own.path}"] = own.room
-            source[f"cgroup:{own.path}"] = own.figures
+            pools[f"cgroup:{own.path}"] = own.room + pooled  # the daemon's cgroup is charged for the pool
+            source[f"cgroup:{own.path}"] = own.figures + self._pooled(pooled)
         tmpfs = self._tmpfs(mounts, problems)
         if tmpfs is not None:
-            pools[f"tmpfs:{tmpfs['path']}"] = tmpfs["free"]
+            pools[f"tmpfs:{tmpfs['path']}"] = tmpfs["free"] + pooled
             source[f"tmpfs:{tmpfs['path']}"] = (
                 f"tmpfs {tmpfs['path']}: {human_size(tmpfs['free'])} of {human_size(tmpfs['size'])} free"
+                + self._pooled(pooled)
             )
         members: dict[str, tuple[str, ...]] = {}
         sizes: dict[str, int] = {}
@@ -198,6 +209,7 @@ class HostMemory:
                 "room": 0,
                 "cgroup": None,
                 "tmpfs": None,
+                "sim_pool": self.pool() if self.pool is not None else None,
                 "jobs": {},
                 "pools": {},
                 "age_s": None,
@@ -211,6 +223,7 @@ class HostMemory:
             "room": r.notice.room,
             "cgroup": r.cgroup.describe() if r.cgroup is not None else None,
             "tmpfs": r.tmpfs,
+            "sim_pool": self.pool() if self.pool is not None else None,
             "jobs": r.jobs,
             "pools": dict(r.notice.pools),
             "age_s": max(0.0, now - r.at),
@@ -221,6 +234,10 @@ class HostMemory:
 
     def _path(self, absolute: str) -> Path:
         return self.root / absolute.lstrip("/")
+
+    @staticmethod
+    def _pooled(pooled: int) -> str:
+        return f", plus {human_size(pooled)} of the simulated GPU's warm buffers for parks" if pooled else ""
 
     def _host_figures(self, available: int | None, margin: int) -> str:
         shown = human_size(available) if available is not None else "unknown"

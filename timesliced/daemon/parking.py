@@ -146,6 +146,7 @@ def _open_sim(config: DaemonConfig) -> Any:
         capacity=config.gpu_memory,
         page_size=config.page_size,
         bandwidth=config.bandwidth,
+        pool=config.sim_pool,
     )
 
 

@@ -121,6 +121,7 @@ class Daemon:
             margin=config.host_memory_margin,
             sim_dir=config.resolved_sim_dir() if self.parking.sim is not None else None,
             root=config.host_root,
+            pool=self.parking.sim.pool.describe if self.parking.sim is not None else None,
         )
         self._host_failing = False  # log a run of failed readings once
         sim_source = self._sim_gpu_source()

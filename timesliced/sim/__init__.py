@@ -5,10 +5,28 @@ The daemon's side (arenas, parking, restoring) is the ``sim`` backend.
 """
 
 # The simulated host<->device link's default bandwidth, in bytes per second (one direction; a swap
-# uses both at once). 2 GB/s because the sim must be able to honour it on a small machine: a park
-# writes into pages the tmpfs allocates afresh, which a 2-core machine copies at about 3 GB/s
-# (``timesliced bench copy``: 2.9-3.6 GB/s here, against a warm-copy ceiling of 10-12 GB/s), and a
-# restore reads at 4-5 GB/s; 2 GB/s leaves a third in hand for a loaded machine. A real PCIe link is
-# faster (about 25 GB/s for PCIe 4.0 x16), so a switch on the sim costs more than on a GPU: a
-# benchmark on the sim shows the daemon's switch costs with a modest link, never page faults.
+# uses both at once). 2 GB/s because the sim must honour it on a small machine at every size, from its
+# first switch on: a park into pages the tmpfs allocates afresh (no warm buffer in the pool yet) runs
+# at about 3 GB/s on a 2-core machine (``timesliced bench copy``: 2.8-3.6 GB/s here, against a
+# warm-copy ceiling of 7-11 GB/s as the machine is loaded), and a 1 MiB swap's fixed costs (some
+# 0.3 ms) fit in its 0.5 ms only up to about that. Once the pool is warm, lone moves of 16 MiB and
+# more follow models up to about 0.9 of the warm ceiling, and swaps up to about half of it (their two
+# directions copy at once, on two cores). A real PCIe link is faster (about 25 GB/s for PCIe 4.0
+# x16), so a switch on the sim costs more than on a GPU: a benchmark on the sim shows the daemon's
+# switch costs with a modest link, never page faults.
 DEFAULT_BANDWIDTH = 2e9
+
+# How many bytes of restored jobs' parked files the simulated GPU keeps, mapped, for the next parks to
+# write into (``timesliced.backends.sim_buffers``): a park into them copies at the machine's warm copy
+# rate instead of the rate the tmpfs allocates new pages at. 1 GiB: a switch of jobs up to that size
+# is warm after its first round, while a small machine keeps most of its memory; the pool counts as
+# room for parked state, so it never makes a park refused. ``--sim-pool`` sizes it, 0 turns it off.
+DEFAULT_POOL = 1 << 30
+
+# Bytes the simulated GPU copies at a time (its moves check their pace and whether they were abandoned
+# between chunks). What one copy of this size reaches is the most any simulated move can follow: on a
+# machine whose last-level cache the C library sizes large, copies this small take ordinary stores
+# while one copy of hundreds of MiB streams past the cache (non-temporal stores, glibc's
+# ``x86_non_temporal_threshold``) and runs faster (here 6.8 against 10.9 GB/s; a 480 MiB L3 puts the
+# threshold between 128 and 192 MiB). ``timesliced bench copy`` shows both.
+COPY_CHUNK = 32 << 20

@@ -25,10 +25,10 @@ from pathlib import Path
 from .. import errors
 from ..env import default_sim_dir, default_state_dir
 from ..util.parse import human_size
-from .layout import LOCK_NAME
+from .layout import LOCK_NAME, POOL_NAME
 
 ARENA_SUFFIX = ".arena"
-KNOWN_DIRS = ("jobs", "parked")
+KNOWN_DIRS = ("jobs", "parked", POOL_NAME)
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ class Cleaned:
 def clean(root: Path) -> Cleaned:
     """Remove the simulated GPU's files under ``root``; raises ``BackendError`` while a daemon uses it.
 
-    Only what the simulated GPU writes is removed (``gpu<N>.arena``, ``jobs/``, ``parked/`` and the
-    lock); anything else is left in place and named in ``kept``, and the directory then stays.
+    Only what the simulated GPU writes is removed (``gpu<N>.arena``, ``jobs/``, ``parked/``, ``pool/``
+    and the lock); anything else is left in place and named in ``kept``, and the directory then stays.
     """
     if not root.is_dir():
         return Cleaned(root, existed=False)

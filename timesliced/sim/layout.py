@@ -91,6 +91,7 @@ def job_key(job: str) -> str:
 
 
 LOCK_NAME = "daemon.lock"  # the daemon's flock on its root: one daemon per root, released when its process dies
+POOL_NAME = "pool"  # the folder of warm parked-file buffers no job holds (``backends/sim_buffers.py``)
 
 
 def arena_path(root: Path, gpu: int) -> Path:

@@ -334,6 +334,15 @@ class Tmpfs(TypedDict):
     free: int
 
 
+class SimPool(TypedDict):
+    """The simulated GPU's pool of warm parked-file buffers (``backends/sim_buffers.py``)."""
+
+    held: int  # bytes the pool holds now: host memory (on the tmpfs) counted as room for parked state
+    limit: int  # --sim-pool: the most it keeps (0: no pool)
+    taken: int  # parks that wrote into a pool buffer since the daemon started
+    missed: int  # parks that found none big enough, and wrote new pages
+
+
 class HostReading(TypedDict):
     """What this node's daemon last read of its host for parked state (``daemon/host_memory.py``)."""
 
@@ -344,6 +353,7 @@ class HostReading(TypedDict):
     room: int  # what more parked state may take on the host now
     cgroup: Cgroup | None  # the daemon's own
     tmpfs: Tmpfs | None  # where the simulated GPU parks its jobs
+    sim_pool: SimPool | None  # the simulated GPU's warm buffers for parks (None: no simulated GPU)
     jobs: dict[str, list[str]]  # job -> the pools its parked state counts against
     pools: dict[str, int]  # pool -> the room left in it
     age_s: float | None  # since the reading (None: never read)
