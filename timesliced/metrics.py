@@ -223,6 +223,10 @@ class StatusCollector:
         members = list((status.get("cluster") or {}).get("members") or [])
         for h in status.get("host") or ():
             _add_host(f, h, members)
+        pool = (status.get("host_memory") or {}).get("sim_pool")
+        if pool is not None:  # a node with a simulated GPU
+            f.sim_pool.add_metric([], float(pool["held"]))
+            f.sim_pool_limit.add_metric([], float(pool["limit"]))
         _add_gpus(f, status.get("devices") or (), (status.get("telemetry") or {}).get("gpus") or ())
         jobs = list(status.get("jobs", ()))
         kept, dropped = jobs[: self._max_jobs], len(jobs) - self._max_jobs
@@ -325,6 +329,13 @@ class _Families:
             "timesliced_host_room_bytes", "What the node's host could still take at its last reading, margin kept."
         )
         self.host_limit = host_gauge("timesliced_host_limit_bytes", "The node's --host-memory-limit, where one is set.")
+        self.sim_pool = GaugeMetricFamily(
+            "timesliced_sim_pool_bytes",
+            "Host memory the simulated GPU keeps as warm buffers for the next parks (counted as room for parked state)",
+        )
+        self.sim_pool_limit = GaugeMetricFamily(
+            "timesliced_sim_pool_limit_bytes", "The most the simulated GPU keeps as warm buffers (--sim-pool)."
+        )
         self.jobs_dropped = GaugeMetricFamily(
             "timesliced_job_series_dropped", "Jobs left out of the job series by the cap on their number."
         )

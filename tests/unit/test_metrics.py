@@ -491,3 +491,12 @@ def test_a_job_over_its_declaration_shows_by_how_much() -> None:
     series = scrape(Metrics(lambda: status, node="vm"))
     # only jobs that declared their memory have the series
     assert series["timesliced_job_over_declared_bytes"] == {frozenset({("job", "sft-chat")}): float(10 << 20)}
+
+
+def test_the_sim_pool_shows_where_the_node_has_a_simulated_gpu() -> None:
+    assert "timesliced_sim_pool_bytes" not in scrape(Metrics(provider(STATUS), node="vm"))
+    status = copy.deepcopy(STATUS)
+    status["host_memory"]["sim_pool"] = {"held": 3 << 20, "limit": 1 << 30, "taken": 4, "missed": 1}
+    series = scrape(Metrics(lambda: status, node="vm"))
+    assert series["timesliced_sim_pool_bytes"] == {frozenset(): float(3 << 20)}
+    assert series["timesliced_sim_pool_limit_bytes"] == {frozenset(): float(1 << 30)}
