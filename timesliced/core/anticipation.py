@@ -8,7 +8,8 @@ granted with nothing moved; if not, the turn lapses and the switch goes ahead. I
 rent-or-buy choice: the window is at most the switch's own cost (and ``--anticipate``), so a holder
 that does not come back costs the waiters no more than the switch it was meant to save.
 
-The inputs are scheduling state, kept per job as moves and phases end: its last ``RECENT`` gaps
+The inputs are scheduling state, kept per job as moves and phases end while anticipation is on
+(a scheduler without it keeps none, so its lock path does no more work): its last ``RECENT`` gaps
 (``Job.gaps``) and move durations (``Job.move_times``). A job with fewer than ``MIN_SAMPLES`` of
 either is never kept for. A switch's cost is twice the sum of the typical (median) move of every
 job it moves now: the victims it parks and the waiter it restores, then as much again to come back.

@@ -156,6 +156,7 @@ class Scheduler:
             stream=stream_switches,
             anticipate_s=anticipate_s,
         )
+        self._anticipating = anticipate_s > 0  # only then are gaps and move times kept (``anticipation``)
         self.arbiter.frozen = lambda: self._frozen
         self._rebuild = Rebuild(self.registry, self.ledger, self.queues, self.moves, journal)
         self._frozen: dict[str, str] = {}  # group -> why nothing may be granted in it now (GroupsFrozen)
@@ -401,7 +402,8 @@ class Scheduler:
             return
         if group.draining:
             raise errors.GroupDraining(f"group {group.name!r} is drained by an administrator; try again later")
-        self._gap_ended(job, now)
+        if self._anticipating:
+            self._gap_ended(job, now)
         if ev.gang is not None:
             self.queues.end_kept_turn(group, job.name)
             self.queues.join_gang(group, job.name, ticket, ev.deadline, ev.gang, ev.members, now)
@@ -437,9 +439,10 @@ class Scheduler:
         held_s = now - group.held_since
         if self.queues.leave(group, ev.session):
             self.arbiter.yield_lock(group, now)
-            self._journal.fields(job, GAPS)
-            job.released_at = now
-            self.arbiter.anticipate(group, job, now)
+            if self._anticipating:
+                self._journal.fields(job, GAPS)
+                job.released_at = now
+                self.arbiter.anticipate(group, job, now)
         return {"group": group.name, "fence": group.fence, "held_s": held_s}
 
     def _on_memory_requested(self, ev: MemoryRequested, now: float) -> None:
@@ -479,7 +482,7 @@ class Scheduler:
         group = self.groups[job.group]
         done = {Cause.SNAPSHOT_DONE: "snapshot", Cause.RESTORE_DONE: "restore"}.get(cause)
         self.figures.moved(group, job, ev.nbytes, done)
-        if done is not None:
+        if done is not None and self._anticipating:
             self._journal.fields(job, MOVE_TIMES)
             job.move_times = recent(job.move_times, ev.seconds if ev.seconds > 0 else now - move.started_at)
         if cause is Cause.SNAPSHOT_DONE:
