@@ -77,13 +77,25 @@ class Client(ShellBase):
 
     The logic lives in ``ClientSession``; this shell is a socket, a reader
     thread (which opens connections, reads them and keeps the session's timers)
-    and one lock through which every thread hands the session its inputs.
+    and one lock through which every thread hands the session its inputs. A
+    caller that waits for an answer on an open connection reads the socket
+    itself, so the kernel wakes the waiting thread directly (one thread wake
+    per answer instead of two); the reader thread reads whenever no caller
+    does, for the daemon's pushes and directives.
     """
 
     def _start_io(self) -> None:
         self._lock = threading.Lock()  # one input at a time into the core; guards _sock, _waiters, _driving
         self._waiters: dict[int, _Answer] = {}
         self._sock: socket.socket | None = None  # the open connection, for sending; the reader owns it
+        self._sock_conn = 0  # the core's id of the connection ``_sock`` is
+        # Who reads the socket. Bytes are read only under ``_lock``, by a non-blocking recv whose bytes go to
+        # the core in the same critical section, so their order holds whoever reads; the flags below only
+        # keep two threads from waiting on the socket at once (both would wake for every frame).
+        self._caller_reading = False  # a caller waits on the socket for its answer; the reader stays off it
+        self._reader_polling = False  # the reader thread waits on the socket: a caller that reads evicts it
+        self._reader_parked = False  # the reader thread waits on its wake pipe only: given back, it is woken
+        self._pipes: _Pipes | None = None  # the wake pipes, while a reader thread runs
         self._driving = False  # a reader thread runs (it clears this, under the lock, when it ends)
         self._reader: threading.Thread | None = None
         self._wakeup = threading.Event()  # wakes the reader while it waits between connection attempts
@@ -140,7 +152,7 @@ class Client(ShellBase):
         stops waiting withdraws the gang: the others raise ``AcquireCancelled``.
         """
         grant: Grant = self._wait(
-            self._submit(functools.partial(self._core.acquire, timeout, gang=gang, members=members))
+            self._submit(functools.partial(self._core.acquire, timeout, gang=gang, members=members)), reads=True
         )
         return grant
 
@@ -239,11 +251,19 @@ class Client(ShellBase):
             self._dispatch(later)
         return rid, future, deadline
 
-    def _wait(self, waiter: Waiter) -> Any:
-        """The request's result; the caller keeps the core's deadline for it (the reader may be busy connecting)."""
+    def _wait(self, waiter: Waiter, *, reads: bool = False) -> Any:
+        """The request's result; the caller keeps the core's deadline for it (the reader may be busy connecting).
+
+        ``reads``: this thread reads the socket itself while it waits (``_read_for``), so the answer wakes
+        it directly. Worth it for a long wait (an acquire): taking the socket from the reader thread wakes
+        that thread, which costs as much as it saves when the answer is due within the daemon's turnaround
+        (and, on a release, would compete for a CPU with the daemon granting the next job).
+        """
         rid, future, deadline = waiter
         try:
             while True:
+                if reads:
+                    self._read_for(future, deadline)
                 try:
                     return future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
@@ -257,6 +277,64 @@ class Client(ShellBase):
                 self._waiters.pop(rid, None)
             self._step(functools.partial(self._core.abandon, rid))
             raise
+
+    def _read_for(self, future: _Answer, deadline: float | None) -> None:
+        """Read the socket in this thread until ``future`` is answered or ``deadline`` passes.
+
+        Returns at once when there is no open connection or another caller reads it (the reader thread
+        or that caller then answers ``future``), and when the connection goes (the reader thread reconnects).
+        """
+        with self._lock:
+            sock, conn, pipes = self._sock, self._sock_conn, self._pipes
+            if sock is None or pipes is None or self._caller_reading:
+                return
+            future.watch(pipes)  # before the look below: an answer set from now on wakes this thread
+            if future.settled:
+                future.watch(None)
+                return
+            self._caller_reading = True
+            if self._reader_polling:
+                pipes.wake(pipes.reader_w)  # the reader thread leaves the socket to this one
+        try:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            poller.register(pipes.caller_r, select.POLLIN)
+            while not future.settled:
+                wait = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
+                events = poller.poll(wait)
+                if not events:
+                    return  # the deadline: the caller keeps the core's timers
+                if any(fd == pipes.caller_r for fd, _ in events):
+                    pipes.drain(pipes.caller_r)
+                with self._lock:
+                    if self._sock is not sock:
+                        return  # the connection ended or was left
+                    later = self._receive(sock, conn)
+                    gone = self._core.connection != conn
+                self._dispatch(later)
+                if gone:
+                    return
+        finally:
+            with self._lock:
+                future.watch(None)
+                self._caller_reading = False
+                if self._reader_parked:
+                    pipes.wake(pipes.reader_w)  # the socket is the reader thread's again
+
+    def _receive(self, sock: socket.socket, conn: int) -> list[tuple[_Answer | None, Output]]:
+        """Under the lock: what the socket holds now into the core (its end too); the outputs for ``_dispatch``."""
+        try:
+            data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            reason = "the daemon closed the connection"
+        except BlockingIOError:
+            return []  # another thread read it first
+        except OSError as exc:
+            data, reason = b"", f"connection to the daemon failed: {exc}"
+        if data:
+            self._core.receive_data(conn, data, time.monotonic())
+        else:
+            self._core.connection_lost(conn, time.monotonic(), reason)
+        return self._flush()
 
     def _step(self, action: Callable[[float], T]) -> T:
         """One input into the core, then its outputs carried out."""
@@ -316,75 +394,91 @@ class Client(ShellBase):
             self._driving = True
             if self._directives is None:
                 self._directives = directive_worker(self.job)
-            self._reader = threading.Thread(target=self._read_loop, name=f"timesliced-{self.job}", daemon=True)
+            self._pipes = pipes = _Pipes()
+            self._reader = threading.Thread(
+                target=self._read_loop, args=(pipes,), name=f"timesliced-{self.job}", daemon=True
+            )
             self._reader.start()
 
-    def _read_loop(self) -> None:
+    def _read_loop(self, pipes: _Pipes) -> None:
         """Open connections, read them and keep the core's timers, while the core wants a connection.
 
-        One pass per event (bytes read, the connection gone, a deadline): what was read goes to the
-        core first, and its answers to their callers, before the books (timers, the connection's state).
+        One pass per event (bytes read, the connection gone, a deadline, a wake): what was read goes to
+        the core first, and its answers to their callers, before the books (timers, the connection's
+        state). While a caller reads the socket itself (``_read_for``), this thread waits on its wake
+        pipe only, and keeps the timers; a socket the core left is closed once no caller reads it.
         """
         sock: socket.socket | None = None
         conn = 0
-        poller = select.poll()
-        read: bytes | None = None  # what the last pass read: bytes, or b"" for the connection's end
-        reason = ""
+        on_socket = select.poll()  # the socket and the wake pipe
+        on_pipe = select.poll()  # the wake pipe only
+        for poller in (on_socket, on_pipe):
+            poller.register(pipes.reader_r, select.POLLIN)
+        readable = False  # the last pass found the socket readable
         try:
             while True:
-                if read:  # the answers first: their callers wake while this thread keeps the books
+                if readable and sock is not None:  # the answers first: their callers wake while this keeps the books
                     with self._lock:
-                        self._core.receive_data(conn, read, time.monotonic())
-                        later = self._flush()
+                        later = self._receive(sock, conn)
                     self._dispatch(later)
                 with self._lock:
                     now = time.monotonic()
-                    if read is not None and not read:
-                        self._core.connection_lost(conn, now, reason)
                     deadline = self._core.next_deadline()
                     if deadline is not None and now >= deadline:
                         self._core.handle_timers(now)
                         deadline = self._core.next_deadline()
                     later = self._flush()
                     done = not self._core.wants_connection
-                    if done:
-                        self._driving = False
                     current, attempt_at = self._core.connection, self._core.attempt_at
-                    if sock is not None and (done or current != conn) and self._sock is sock:
+                    leave = sock is not None and (done or current != conn)
+                    busy = self._caller_reading  # a caller reads the socket: this thread stays off it
+                    if leave and self._sock is sock:
                         self._sock = None
+                        if busy:
+                            pipes.wake(pipes.caller_w)  # that caller leaves the socket too
+                    if done and not busy:
+                        self._driving = False
+                        self._pipes = None
+                    self._reader_polling = bool(current) and not leave and not busy
+                    self._reader_parked = busy
                 self._dispatch(later)
-                read = None
-                if sock is not None and (done or current != conn):  # the core left this connection
-                    poller.unregister(sock)
+                readable = False
+                if leave and not busy:  # the core left this connection, and no caller waits on it
+                    assert sock is not None
+                    on_socket.unregister(sock)
                     sock.close()
                     sock = None
-                if done:
+                if done and not busy:
                     return
-                if not current:
+                if not current and not busy:
                     if attempt_at is None or attempt_at > now:
                         self._wakeup.wait(None if deadline is None else max(0.0, deadline - now))
                         self._wakeup.clear()
                     else:
                         sock, conn = self._attempt()
                         if sock is not None:
-                            poller.register(sock, select.POLLIN)
+                            on_socket.register(sock, select.POLLIN)
                     continue
-                assert sock is not None
                 wait = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
-                if poller.poll(wait):
-                    try:
-                        read = sock.recv(1 << 16)
-                        reason = "the daemon closed the connection"
-                    except OSError as exc:
-                        read, reason = b"", f"connection to the daemon failed: {exc}"
+                events = (on_pipe if busy or leave else on_socket).poll(wait)
+                with self._lock:
+                    self._reader_polling = self._reader_parked = False
+                for fd, _ in events:
+                    if fd == pipes.reader_r:
+                        pipes.drain(fd)
+                    else:
+                        readable = True
         except BaseException:
             log.exception("job %r: the client's reader failed; closing the client", self.job)
             with self._lock:
                 self._driving = False
+                self._pipes = None
+                self._reader_polling = self._reader_parked = False
             self._step(self._core.close)
         finally:
             if sock is not None:
                 sock.close()
+            pipes.close()
 
     def _attempt(self) -> tuple[socket.socket | None, int]:
         self._refresh_token()  # reads the environment: before the lock
@@ -409,7 +503,7 @@ class Client(ShellBase):
                 sock.close()
                 return None, 0
             conn = self._core.connection_made(time.monotonic())
-            self._sock = sock
+            self._sock, self._sock_conn = sock, conn
             later = self._flush()
         self._dispatch(later)
         return sock, conn
@@ -496,24 +590,82 @@ def _dial(address: Address, timeout: float) -> socket.socket:
             time.sleep(0.01)
 
 
-class _Answer:
-    """A request's answer, for the one caller that waits for it (lighter than a ``Future``: on the lock's path)."""
+class _Pipes:
+    """Two wake pipes: one the reader thread waits on besides the socket, one a caller reading the socket does.
 
-    __slots__ = ("_done", "_error", "_value")
+    Writes are non-blocking (a full pipe already wakes its reader) and refused once closed, so a late
+    wake never writes into a file descriptor number that was reused.
+    """
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._closed = False
+        self.reader_r, self.reader_w = os.pipe()  # not inherited by child processes (PEP 446)
+        self.caller_r, self.caller_w = os.pipe()
+        for fd in (self.reader_r, self.reader_w, self.caller_r, self.caller_w):
+            os.set_blocking(fd, False)
+
+    def wake(self, fd: int) -> None:
+        with self._guard:
+            if not self._closed:
+                try:
+                    os.write(fd, b"\0")
+                except BlockingIOError:
+                    pass  # full: its reader wakes anyway
+
+    @staticmethod
+    def drain(fd: int) -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except OSError:  # empty (EAGAIN), or closed after a failure of the reader thread
+            pass
+
+    def close(self) -> None:
+        with self._guard:
+            if not self._closed:
+                self._closed = True
+                for fd in (self.reader_r, self.reader_w, self.caller_r, self.caller_w):
+                    os.close(fd)
+
+
+class _Answer:
+    """A request's answer, for the one caller that waits for it (lighter than a ``Future``: on the lock's path).
+
+    While its caller reads the socket itself (``watch``), an answer set by another thread also wakes that
+    caller through its wake pipe: the caller waits on the socket, not on this answer.
+    """
+
+    __slots__ = ("_done", "_error", "_value", "_watched_by", "_watcher", "settled")
 
     def __init__(self) -> None:
         self._done = threading.Lock()
         self._done.acquire()  # released once the answer is in
         self._value: Any = None
         self._error: BaseException | None = None
+        self._watcher: _Pipes | None = None
+        self._watched_by = 0  # the thread that reads the socket for this answer
+        self.settled = False
+
+    def watch(self, pipes: _Pipes | None) -> None:
+        """From the calling thread, which reads the socket for this answer: wake it through ``pipes`` (None: stop)."""
+        self._watched_by = threading.get_ident()
+        self._watcher = pipes
 
     def set_result(self, value: Any) -> None:
         self._value = value
-        self._done.release()
+        self._settle()
 
     def set_exception(self, error: BaseException) -> None:
         self._error = error
+        self._settle()
+
+    def _settle(self) -> None:
+        self.settled = True
         self._done.release()
+        watcher = self._watcher  # after the answer is in: a caller that looks after this line sees it
+        if watcher is not None and self._watched_by != threading.get_ident():
+            watcher.wake(watcher.caller_w)
 
     def result(self, timeout: float | None) -> Any:
         """The value, or raises the error; raises ``TimeoutError`` when none came within ``timeout``."""
