@@ -94,7 +94,12 @@ class Client(ShellBase):
         # keep two threads from waiting on the socket at once (both would wake for every frame).
         self._caller_reading = False  # a caller waits on the socket for its answer; the reader stays off it
         self._reader_polling = False  # the reader thread waits on the socket: a caller that reads evicts it
-        self._reader_parked = False  # the reader thread waits on its wake pipe only: given back, it is woken
+        self._reader_parked = False  # the reader thread waits on ``_handback``: the caller that leaves releases it
+        # Released (once) to give the socket back to a parked reader thread. A lock, not the wake pipe: a
+        # write to a pipe or socket is a "sync" wake-up, which runs the woken thread at once on the
+        # waker's CPU, ahead of the caller about to return its answer; a lock's (futex) wake-up is not.
+        self._handback = threading.Lock()
+        self._handback.acquire()
         self._pipes: _Pipes | None = None  # the wake pipes, while a reader thread runs
         self._driving = False  # a reader thread runs (it clears this, under the lock, when it ends)
         self._reader: threading.Thread | None = None
@@ -318,8 +323,9 @@ class Client(ShellBase):
             with self._lock:
                 future.watch(None)
                 self._caller_reading = False
-                if self._reader_parked:
-                    pipes.wake(pipes.reader_w)  # the socket is the reader thread's again
+                if self._reader_parked:  # the socket is the reader thread's again
+                    self._reader_parked = False
+                    self._handback.release()
 
     def _receive(self, sock: socket.socket, conn: int) -> list[tuple[_Answer | None, Output]]:
         """Under the lock: what the socket holds now into the core (its end too); the outputs for ``_dispatch``."""
@@ -405,15 +411,13 @@ class Client(ShellBase):
 
         One pass per event (bytes read, the connection gone, a deadline, a wake): what was read goes to
         the core first, and its answers to their callers, before the books (timers, the connection's
-        state). While a caller reads the socket itself (``_read_for``), this thread waits on its wake
-        pipe only, and keeps the timers; a socket the core left is closed once no caller reads it.
+        state). While a caller reads the socket itself (``_read_for``), this thread waits on ``_handback``
+        only, and keeps the timers; a socket the core left is closed once no caller reads it.
         """
         sock: socket.socket | None = None
         conn = 0
         on_socket = select.poll()  # the socket and the wake pipe
-        on_pipe = select.poll()  # the wake pipe only
-        for poller in (on_socket, on_pipe):
-            poller.register(pipes.reader_r, select.POLLIN)
+        on_socket.register(pipes.reader_r, select.POLLIN)
         readable = False  # the last pass found the socket readable
         try:
             while True:
@@ -459,10 +463,19 @@ class Client(ShellBase):
                         if sock is not None:
                             on_socket.register(sock, select.POLLIN)
                     continue
+                if busy:  # parked: the caller that reads the socket gives it back (or a deadline comes)
+                    wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    given = self._handback.acquire(timeout=-1 if wait_s is None else min(wait_s, threading.TIMEOUT_MAX))
+                    with self._lock:
+                        if self._reader_parked:
+                            self._reader_parked = False  # not given back: a deadline
+                        elif not given:
+                            self._handback.acquire(blocking=False)  # given back just as the wait ended: spent
+                    continue
                 wait = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
-                events = (on_pipe if busy or leave else on_socket).poll(wait)
+                events = on_socket.poll(wait)
                 with self._lock:
-                    self._reader_polling = self._reader_parked = False
+                    self._reader_polling = False
                 for fd, _ in events:
                     if fd == pipes.reader_r:
                         pipes.drain(fd)
