@@ -95,12 +95,11 @@ class Client(ShellBase):
         self._caller_reading = False  # a caller waits on the socket for its answer; the reader stays off it
         self._reader_polling = False  # the reader thread waits on the socket: a caller that reads evicts it
         self._reader_parked = False  # the reader thread waits on ``_handback``: the caller that leaves releases it
-        # Released (once) to give the socket back to a parked reader thread. A lock, not the wake pipe: a
-        # write to a pipe or socket is a "sync" wake-up, which runs the woken thread at once on the
-        # waker's CPU, ahead of the caller about to return its answer; a lock's (futex) wake-up is not.
+        # Released (once) to give the socket back to a parked reader thread: a lock's (futex) wake-up leaves
+        # the caller that is about to return its answer running (a write to a pipe would not, see _Wakes).
         self._handback = threading.Lock()
         self._handback.acquire()
-        self._pipes: _Pipes | None = None  # the wake pipes, while a reader thread runs
+        self._wakes: _Wakes | None = None  # the wake wakes, while a reader thread runs
         self._driving = False  # a reader thread runs (it clears this, under the lock, when it ends)
         self._reader: threading.Thread | None = None
         self._wakeup = threading.Event()  # wakes the reader while it waits between connection attempts
@@ -290,27 +289,27 @@ class Client(ShellBase):
         or that caller then answers ``future``), and when the connection goes (the reader thread reconnects).
         """
         with self._lock:
-            sock, conn, pipes = self._sock, self._sock_conn, self._pipes
-            if sock is None or pipes is None or self._caller_reading:
+            sock, conn, wakes = self._sock, self._sock_conn, self._wakes
+            if sock is None or wakes is None or self._caller_reading:
                 return
-            future.watch(pipes)  # before the look below: an answer set from now on wakes this thread
+            future.watch(wakes)  # before the look below: an answer set from now on wakes this thread
             if future.settled:
                 future.watch(None)
                 return
             self._caller_reading = True
             if self._reader_polling:
-                pipes.wake(pipes.reader_w)  # the reader thread leaves the socket to this one
+                wakes.wake(wakes.reader)  # the reader thread leaves the socket to this one
         try:
             poller = select.poll()
             poller.register(sock, select.POLLIN)
-            poller.register(pipes.caller_r, select.POLLIN)
+            poller.register(wakes.caller, select.POLLIN)
             while not future.settled:
                 wait = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
                 events = poller.poll(wait)
                 if not events:
                     return  # the deadline: the caller keeps the core's timers
-                if any(fd == pipes.caller_r for fd, _ in events):
-                    pipes.drain(pipes.caller_r)
+                if any(fd == wakes.caller for fd, _ in events):
+                    wakes.drain(wakes.caller)
                 with self._lock:
                     if self._sock is not sock:
                         return  # the connection ended or was left
@@ -400,13 +399,13 @@ class Client(ShellBase):
             self._driving = True
             if self._directives is None:
                 self._directives = directive_worker(self.job)
-            self._pipes = pipes = _Pipes()
+            self._wakes = wakes = _Wakes()
             self._reader = threading.Thread(
-                target=self._read_loop, args=(pipes,), name=f"timesliced-{self.job}", daemon=True
+                target=self._read_loop, args=(wakes,), name=f"timesliced-{self.job}", daemon=True
             )
             self._reader.start()
 
-    def _read_loop(self, pipes: _Pipes) -> None:
+    def _read_loop(self, wakes: _Wakes) -> None:
         """Open connections, read them and keep the core's timers, while the core wants a connection.
 
         One pass per event (bytes read, the connection gone, a deadline, a wake): what was read goes to
@@ -416,8 +415,8 @@ class Client(ShellBase):
         """
         sock: socket.socket | None = None
         conn = 0
-        on_socket = select.poll()  # the socket and the wake pipe
-        on_socket.register(pipes.reader_r, select.POLLIN)
+        on_socket = select.poll()  # the socket and this thread's wake-up counter
+        on_socket.register(wakes.reader, select.POLLIN)
         readable = False  # the last pass found the socket readable
         try:
             while True:
@@ -439,10 +438,10 @@ class Client(ShellBase):
                     if leave and self._sock is sock:
                         self._sock = None
                         if busy:
-                            pipes.wake(pipes.caller_w)  # that caller leaves the socket too
+                            wakes.wake(wakes.caller)  # that caller leaves the socket too
                     if done and not busy:
                         self._driving = False
-                        self._pipes = None
+                        self._wakes = None
                     self._reader_polling = bool(current) and not leave and not busy
                     self._reader_parked = busy
                 self._dispatch(later)
@@ -477,21 +476,21 @@ class Client(ShellBase):
                 with self._lock:
                     self._reader_polling = False
                 for fd, _ in events:
-                    if fd == pipes.reader_r:
-                        pipes.drain(fd)
+                    if fd == wakes.reader:
+                        wakes.drain(fd)
                     else:
                         readable = True
         except BaseException:
             log.exception("job %r: the client's reader failed; closing the client", self.job)
             with self._lock:
                 self._driving = False
-                self._pipes = None
+                self._wakes = None
                 self._reader_polling = self._reader_parked = False
             self._step(self._core.close)
         finally:
             if sock is not None:
                 sock.close()
-            pipes.close()
+            wakes.close()
 
     def _attempt(self) -> tuple[socket.socket | None, int]:
         self._refresh_token()  # reads the environment: before the lock
@@ -603,50 +602,47 @@ def _dial(address: Address, timeout: float) -> socket.socket:
             time.sleep(0.01)
 
 
-class _Pipes:
-    """Two wake pipes: one the reader thread waits on besides the socket, one a caller reading the socket does.
+class _Wakes:
+    """Two wake-up counters (eventfds): one the reader thread polls besides the socket, one a caller reading it does.
 
-    Writes are non-blocking (a full pipe already wakes its reader) and refused once closed, so a late
-    wake never writes into a file descriptor number that was reused.
+    An eventfd's write wakes its poller with a plain wake-up (``wake_up_locked_poll`` in the kernel's
+    fs/eventfd.c), where a pipe's is a "sync" one (``wake_up_interruptible_sync_poll``, fs/pipe.c) that
+    runs the woken thread at once on the writer's CPU, ahead of the writer. Writes are refused once
+    closed, so a late wake never writes into a file descriptor number that was reused.
     """
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
         self._closed = False
-        self.reader_r, self.reader_w = os.pipe()  # not inherited by child processes (PEP 446)
-        self.caller_r, self.caller_w = os.pipe()
-        for fd in (self.reader_r, self.reader_w, self.caller_r, self.caller_w):
-            os.set_blocking(fd, False)
+        # Non-blocking: a read of a zero counter raises BlockingIOError (eventfd(2)); not inherited (PEP 446).
+        self.reader = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.caller = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     def wake(self, fd: int) -> None:
         with self._guard:
             if not self._closed:
-                try:
-                    os.write(fd, b"\0")
-                except BlockingIOError:
-                    pass  # full: its reader wakes anyway
+                os.eventfd_write(fd, 1)
 
     @staticmethod
     def drain(fd: int) -> None:
         try:
-            while os.read(fd, 4096):
-                pass
-        except OSError:  # empty (EAGAIN), or closed after a failure of the reader thread
+            os.eventfd_read(fd)  # resets the counter to zero
+        except OSError:  # zero already (EAGAIN), or closed after a failure of the reader thread
             pass
 
     def close(self) -> None:
         with self._guard:
             if not self._closed:
                 self._closed = True
-                for fd in (self.reader_r, self.reader_w, self.caller_r, self.caller_w):
-                    os.close(fd)
+                os.close(self.reader)
+                os.close(self.caller)
 
 
 class _Answer:
     """A request's answer, for the one caller that waits for it (lighter than a ``Future``: on the lock's path).
 
     While its caller reads the socket itself (``watch``), an answer set by another thread also wakes that
-    caller through its wake pipe: the caller waits on the socket, not on this answer.
+    caller through its wake-up counter: the caller waits on the socket, not on this answer.
     """
 
     __slots__ = ("_done", "_error", "_value", "_watched_by", "_watcher", "settled")
@@ -656,14 +652,14 @@ class _Answer:
         self._done.acquire()  # released once the answer is in
         self._value: Any = None
         self._error: BaseException | None = None
-        self._watcher: _Pipes | None = None
+        self._watcher: _Wakes | None = None
         self._watched_by = 0  # the thread that reads the socket for this answer
         self.settled = False
 
-    def watch(self, pipes: _Pipes | None) -> None:
-        """From the calling thread, which reads the socket for this answer: wake it through ``pipes`` (None: stop)."""
+    def watch(self, wakes: _Wakes | None) -> None:
+        """From the calling thread, which reads the socket for this answer: wake it through ``wakes`` (None: stop)."""
         self._watched_by = threading.get_ident()
-        self._watcher = pipes
+        self._watcher = wakes
 
     def set_result(self, value: Any) -> None:
         self._value = value
@@ -678,7 +674,7 @@ class _Answer:
         self._done.release()
         watcher = self._watcher  # after the answer is in: a caller that looks after this line sees it
         if watcher is not None and self._watched_by != threading.get_ident():
-            watcher.wake(watcher.caller_w)
+            watcher.wake(watcher.caller)
 
     def result(self, timeout: float | None) -> Any:
         """The value, or raises the error; raises ``TimeoutError`` when none came within ``timeout``."""
