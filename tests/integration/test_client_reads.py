@@ -1,8 +1,8 @@
 """``Client``: a waiting acquire reads the socket in its own thread; the reader thread reads the rest of the time.
 
-These look at the shell's flags (``_caller_reading``, ``_reader_polling``, ``_reader_parked``) to show
-which thread waits on the socket; the behaviour they guard (answers, pushes, close, timeouts) is
-checked from the outside as well.
+These look at the shell's state (``_caller_reading``; ``_wakes.watching``: the socket is in the reader
+thread's epoll set, unmasked) to show which thread waits on the socket; the behaviour they guard
+(answers, pushes, close, timeouts) is checked from the outside as well.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ def warned(tmp_path: Path) -> Iterator[EmbeddedDaemon]:
     shutil.rmtree(default_sim_dir(tmp_path / "state"), ignore_errors=True)
 
 
+def reader_watches(client: timesliced.Client) -> bool:
+    """The client's socket wakes its reader thread (in its epoll set, unmasked)."""
+    wakes = client._wakes
+    return wakes is not None and wakes.watching
+
+
 def acquire_in_thread(client: timesliced.Client, **kw: Any) -> tuple[threading.Thread, list[Any]]:
     """``client.acquire(**kw)`` on a thread of its own; the list gets the grant or the exception."""
     got: list[Any] = []
@@ -67,16 +73,16 @@ def test_a_waiting_acquire_reads_the_socket_and_gives_it_back_for_the_pushes(war
         timesliced.Client(job="b", group="g", address=warned.socket, on_push=lambda e, _: pushes.append(e)) as b,
         timesliced.Client(job="c", group="g", address=warned.socket) as c,
     ):
-        wait_for(lambda: b._reader_polling)  # connected and idle: the reader thread waits on the socket
+        wait_for(lambda: reader_watches(b))  # connected and idle: the reader thread waits on the socket
         a.acquire()
         t, got = acquire_in_thread(b)
-        wait_for(lambda: b._caller_reading and b._reader_parked)  # b's caller took the socket from the reader
-        assert not b._reader_polling
+        wait_for(lambda: b._caller_reading)  # b's caller took the socket from the reader thread
+        assert not reader_watches(b)
         a.release()
         t.join(5)
         assert got and isinstance(got[0], timesliced.Grant) and got[0].job == "b"
-        wait_for(lambda: b._reader_polling)  # given back: the reader thread waits on the socket again
-        assert not b._caller_reading and not b._reader_parked
+        wait_for(lambda: reader_watches(b))  # given back: the reader thread waits on the socket again
+        assert not b._caller_reading
         waiter, later = acquire_in_thread(c)  # b now holds a slice that c waits for: warned 0.2 s in
         wait_for(lambda: "slice_overdue" in pushes, timeout=5)  # read by b's reader thread: nobody waits
         b.release()
@@ -101,7 +107,7 @@ def test_an_answer_set_by_another_thread_wakes_the_caller_reading_the_socket(war
         t.join(2)
         assert not t.is_alive(), "the caller reading the socket did not wake for its answer"
         assert isinstance(got[0], errors.AcquireCancelled)
-        wait_for(lambda: b._reader_polling and not b._caller_reading)
+        wait_for(lambda: reader_watches(b) and not b._caller_reading)
         a.release()
 
 
@@ -133,7 +139,7 @@ def test_a_timed_out_acquire_that_reads_the_socket_leaves_the_queue(warned: Embe
         with pytest.raises(errors.AcquireTimeout):
             b.acquire(timeout=0.2)
         assert time.monotonic() - started < 5
-        wait_for(lambda: b._reader_polling and not b._caller_reading)
+        wait_for(lambda: reader_watches(b) and not b._caller_reading)
         a.release()
         assert b.acquire(timeout=5).fence == 2  # b's expired acquire was never granted behind its back
         b.release()

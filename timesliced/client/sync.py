@@ -90,16 +90,12 @@ class Client(ShellBase):
         self._sock: socket.socket | None = None  # the open connection, for sending; the reader owns it
         self._sock_conn = 0  # the core's id of the connection ``_sock`` is
         # Who reads the socket. Bytes are read only under ``_lock``, by a non-blocking recv whose bytes go to
-        # the core in the same critical section, so their order holds whoever reads; the flags below only
-        # keep two threads from waiting on the socket at once (both would wake for every frame).
-        self._caller_reading = False  # a caller waits on the socket for its answer; the reader stays off it
-        self._reader_polling = False  # the reader thread waits on the socket: a caller that reads evicts it
-        self._reader_parked = False  # the reader thread waits on ``_handback``: the caller that leaves releases it
-        # Released (once) to give the socket back to a parked reader thread: a lock's (futex) wake-up leaves
-        # the caller that is about to return its answer running (a write to a pipe would not, see _Wakes).
-        self._handback = threading.Lock()
-        self._handback.acquire()
-        self._wakes: _Wakes | None = None  # the wake wakes, while a reader thread runs
+        # the core in the same critical section, so their order holds whoever reads. The reader thread
+        # waits in an epoll set that holds the socket; a caller that reads the socket itself takes it out
+        # of that set (its events masked) and puts it back when it leaves. epoll_ctl(2) wakes no thread
+        # for that, unless the socket holds bytes by then (which the reader thread must read anyway).
+        self._caller_reading = False  # a caller waits on the socket for its answer
+        self._wakes: _Wakes | None = None  # the reader thread's epoll set and wake-ups, while it runs
         self._driving = False  # a reader thread runs (it clears this, under the lock, when it ends)
         self._reader: threading.Thread | None = None
         self._wakeup = threading.Event()  # wakes the reader while it waits between connection attempts
@@ -297,8 +293,7 @@ class Client(ShellBase):
                 future.watch(None)
                 return
             self._caller_reading = True
-            if self._reader_polling:
-                wakes.wake(wakes.reader)  # the reader thread leaves the socket to this one
+            wakes.watch(sock, False)  # the reader thread stays asleep when the answer comes
         try:
             poller = select.poll()
             poller.register(sock, select.POLLIN)
@@ -322,9 +317,10 @@ class Client(ShellBase):
             with self._lock:
                 future.watch(None)
                 self._caller_reading = False
-                if self._reader_parked:  # the socket is the reader thread's again
-                    self._reader_parked = False
-                    self._handback.release()
+                if self._sock is sock:
+                    wakes.watch(sock, True)  # the reader thread's again, for the pushes
+                else:
+                    wakes.wake(wakes.reader)  # left by the core: the reader thread closes it now
 
     def _receive(self, sock: socket.socket, conn: int) -> list[tuple[_Answer | None, Output]]:
         """Under the lock: what the socket holds now into the core (its end too); the outputs for ``_dispatch``."""
@@ -410,13 +406,11 @@ class Client(ShellBase):
 
         One pass per event (bytes read, the connection gone, a deadline, a wake): what was read goes to
         the core first, and its answers to their callers, before the books (timers, the connection's
-        state). While a caller reads the socket itself (``_read_for``), this thread waits on ``_handback``
-        only, and keeps the timers; a socket the core left is closed once no caller reads it.
+        state). While a caller reads the socket itself (``_read_for``), the socket is out of this thread's
+        epoll set, and this thread keeps the timers; a socket the core left is closed once no caller reads it.
         """
         sock: socket.socket | None = None
         conn = 0
-        on_socket = select.poll()  # the socket and this thread's wake-up counter
-        on_socket.register(wakes.reader, select.POLLIN)
         readable = False  # the last pass found the socket readable
         try:
             while True:
@@ -434,7 +428,7 @@ class Client(ShellBase):
                     done = not self._core.wants_connection
                     current, attempt_at = self._core.connection, self._core.attempt_at
                     leave = sock is not None and (done or current != conn)
-                    busy = self._caller_reading  # a caller reads the socket: this thread stays off it
+                    busy = self._caller_reading  # a caller reads the socket: it is closed once that caller left
                     if leave and self._sock is sock:
                         self._sock = None
                         if busy:
@@ -442,13 +436,11 @@ class Client(ShellBase):
                     if done and not busy:
                         self._driving = False
                         self._wakes = None
-                    self._reader_polling = bool(current) and not leave and not busy
-                    self._reader_parked = busy
                 self._dispatch(later)
                 readable = False
                 if leave and not busy:  # the core left this connection, and no caller waits on it
                     assert sock is not None
-                    on_socket.unregister(sock)
+                    wakes.forget(sock)
                     sock.close()
                     sock = None
                 if done and not busy:
@@ -458,24 +450,9 @@ class Client(ShellBase):
                         self._wakeup.wait(None if deadline is None else max(0.0, deadline - now))
                         self._wakeup.clear()
                     else:
-                        sock, conn = self._attempt()
-                        if sock is not None:
-                            on_socket.register(sock, select.POLLIN)
+                        sock, conn = self._attempt(wakes)
                     continue
-                if busy:  # parked: the caller that reads the socket gives it back (or a deadline comes)
-                    wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    given = self._handback.acquire(timeout=-1 if wait_s is None else min(wait_s, threading.TIMEOUT_MAX))
-                    with self._lock:
-                        if self._reader_parked:
-                            self._reader_parked = False  # not given back: a deadline
-                        elif not given:
-                            self._handback.acquire(blocking=False)  # given back just as the wait ended: spent
-                    continue
-                wait = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
-                events = on_socket.poll(wait)
-                with self._lock:
-                    self._reader_polling = False
-                for fd, _ in events:
+                for fd, _ in wakes.epoll.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
                     if fd == wakes.reader:
                         wakes.drain(fd)
                     else:
@@ -485,14 +462,13 @@ class Client(ShellBase):
             with self._lock:
                 self._driving = False
                 self._wakes = None
-                self._reader_polling = self._reader_parked = False
             self._step(self._core.close)
         finally:
             if sock is not None:
                 sock.close()
             wakes.close()
 
-    def _attempt(self) -> tuple[socket.socket | None, int]:
+    def _attempt(self, wakes: _Wakes) -> tuple[socket.socket | None, int]:
         self._refresh_token()  # reads the environment: before the lock
         with self._lock:
             now = time.monotonic()
@@ -516,6 +492,7 @@ class Client(ShellBase):
                 return None, 0
             conn = self._core.connection_made(time.monotonic())
             self._sock, self._sock_conn = sock, conn
+            wakes.add(sock)  # with ``_sock``: a caller that finds the one finds the other
             later = self._flush()
         self._dispatch(later)
         return sock, conn
@@ -603,12 +580,12 @@ def _dial(address: Address, timeout: float) -> socket.socket:
 
 
 class _Wakes:
-    """Two wake-up counters (eventfds): one the reader thread polls besides the socket, one a caller reading it does.
+    """The reader thread's epoll set (its wake-up counter and the socket), and a wake-up counter for a reading caller.
 
-    An eventfd's write wakes its poller with a plain wake-up (``wake_up_locked_poll`` in the kernel's
-    fs/eventfd.c), where a pipe's is a "sync" one (``wake_up_interruptible_sync_poll``, fs/pipe.c) that
-    runs the woken thread at once on the writer's CPU, ahead of the writer. Writes are refused once
-    closed, so a late wake never writes into a file descriptor number that was reused.
+    The counters are eventfds: a write wakes the poller with a plain wake-up (``wake_up_locked_poll`` in
+    the kernel's fs/eventfd.c), where a pipe's is a "sync" one (``wake_up_interruptible_sync_poll``,
+    fs/pipe.c) that runs the woken thread at once on the writer's CPU, ahead of the writer. Writes are
+    refused once closed, so a late wake never writes into a file descriptor number that was reused.
     """
 
     def __init__(self) -> None:
@@ -617,6 +594,28 @@ class _Wakes:
         # Non-blocking: a read of a zero counter raises BlockingIOError (eventfd(2)); not inherited (PEP 446).
         self.reader = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.caller = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.epoll = select.epoll()
+        self.epoll.register(self.reader, select.EPOLLIN)
+        self.watching = False  # the socket is in the set, unmasked
+
+    def add(self, sock: socket.socket) -> None:
+        self.epoll.register(sock, select.EPOLLIN)
+        self.watching = True
+
+    def watch(self, sock: socket.socket, on: bool) -> None:
+        """Under the client's lock: the socket's readiness wakes the reader thread (``on``) or nobody.
+
+        A mask of 0 silences the socket, hang-ups included; EPOLL_CTL_MOD wakes the waiter only if the
+        socket is ready under its new mask (epoll_ctl(2); ``ep_modify`` in fs/eventpoll.c).
+        """
+        with self._guard:
+            if not self._closed:
+                self.epoll.modify(sock, select.EPOLLIN if on else 0)
+                self.watching = on
+
+    def forget(self, sock: socket.socket) -> None:
+        self.epoll.unregister(sock)
+        self.watching = False
 
     def wake(self, fd: int) -> None:
         with self._guard:
@@ -634,6 +633,7 @@ class _Wakes:
         with self._guard:
             if not self._closed:
                 self._closed = True
+                self.epoll.close()
                 os.close(self.reader)
                 os.close(self.caller)
 
