@@ -1,4 +1,4 @@
-"""``Client``: a waiting acquire reads the socket in its own thread; the reader thread reads the rest of the time.
+"""``Client``: a waiting call reads the socket in its own thread; the reader thread reads the rest of the time.
 
 These look at the shell's state (``_caller_reading``; ``_wakes.watching``: the socket is in the reader
 thread's epoll set, unmasked) to show which thread waits on the socket; the behaviour they guard
@@ -76,8 +76,7 @@ def test_a_waiting_acquire_reads_the_socket_and_gives_it_back_for_the_pushes(war
         wait_for(lambda: reader_watches(b))  # connected and idle: the reader thread waits on the socket
         a.acquire()
         t, got = acquire_in_thread(b)
-        wait_for(lambda: b._caller_reading)  # b's caller took the socket from the reader thread
-        assert not reader_watches(b)
+        wait_for(lambda: b._caller_reading and not reader_watches(b))  # b's caller took the socket
         a.release()
         t.join(5)
         assert got and isinstance(got[0], timesliced.Grant) and got[0].job == "b"
@@ -142,4 +141,22 @@ def test_a_timed_out_acquire_that_reads_the_socket_leaves_the_queue(warned: Embe
         wait_for(lambda: reader_watches(b) and not b._caller_reading)
         a.release()
         assert b.acquire(timeout=5).fence == 2  # b's expired acquire was never granted behind its back
+        b.release()
+
+
+def test_a_call_while_another_caller_reads_is_answered_through_that_caller(warned: EmbeddedDaemon) -> None:
+    """One caller reads the socket at a time; the others' answers reach them through it."""
+    with (
+        timesliced.Client(job="a", group="g", address=warned.socket) as a,
+        timesliced.Client(job="b", group="g", address=warned.socket) as b,
+    ):
+        a.acquire()
+        t, got = acquire_in_thread(b)
+        wait_for(lambda: b._caller_reading)
+        assert [j["job"] for j in b.status()["jobs"]] == ["a", "b"]  # read by the acquiring thread
+        assert b._caller_reading and t.is_alive()  # which still waits on the socket for its grant
+        a.release()
+        t.join(5)
+        assert got and isinstance(got[0], timesliced.Grant)
+        b.ping()  # the socket is free again: this caller reads it itself
         b.release()

@@ -96,6 +96,10 @@ class Client(ShellBase):
         # for that, unless the socket holds bytes by then (which the reader thread must read anyway).
         self._caller_reading = False  # a caller waits on the socket for its answer
         self._wakes: _Wakes | None = None  # the reader thread's epoll set and wake-ups, while it runs
+        # When the reader thread looks at the core's timers next unless woken (-inf: it is about to look). It
+        # keeps the timers (heartbeats above all), and input fed by another thread (a caller that reads the
+        # socket) can bring one sooner: the register step arms the heartbeat, say.
+        self._reader_until = -math.inf
         self._driving = False  # a reader thread runs (it clears this, under the lock, when it ends)
         self._reader: threading.Thread | None = None
         self._wakeup = threading.Event()  # wakes the reader while it waits between connection attempts
@@ -152,7 +156,7 @@ class Client(ShellBase):
         stops waiting withdraws the gang: the others raise ``AcquireCancelled``.
         """
         grant: Grant = self._wait(
-            self._submit(functools.partial(self._core.acquire, timeout, gang=gang, members=members)), reads=True
+            self._submit(functools.partial(self._core.acquire, timeout, gang=gang, members=members))
         )
         return grant
 
@@ -251,19 +255,16 @@ class Client(ShellBase):
             self._dispatch(later)
         return rid, future, deadline
 
-    def _wait(self, waiter: Waiter, *, reads: bool = False) -> Any:
+    def _wait(self, waiter: Waiter) -> Any:
         """The request's result; the caller keeps the core's deadline for it (the reader may be busy connecting).
 
-        ``reads``: this thread reads the socket itself while it waits (``_read_for``), so the answer wakes
-        it directly. Worth it for a long wait (an acquire): taking the socket from the reader thread wakes
-        that thread, which costs as much as it saves when the answer is due within the daemon's turnaround
-        (and, on a release, would compete for a CPU with the daemon granting the next job).
+        On an open connection this thread reads the socket itself while it waits (``_read_for``), so the
+        answer wakes it directly, not the reader thread first.
         """
         rid, future, deadline = waiter
         try:
             while True:
-                if reads:
-                    self._read_for(future, deadline)
+                self._read_for(future, deadline)
                 try:
                     return future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
@@ -356,6 +357,10 @@ class Client(ShellBase):
                 self._sock.sendall(data)
             except OSError:
                 self._shutdown()  # the reader sees the connection end and tells the core
+        wakes, due = self._wakes, self._core.next_deadline()
+        if wakes is not None and due is not None and due < self._reader_until:
+            self._reader_until = due
+            wakes.wake(wakes.reader)  # a timer came sooner than the reader thread sleeps
         later: list[tuple[_Answer | None, Output]] = []
         for out in self._core.drain():
             if isinstance(out, Disconnect):
@@ -416,15 +421,18 @@ class Client(ShellBase):
             while True:
                 if readable and sock is not None:  # the answers first: their callers wake while this keeps the books
                     with self._lock:
+                        self._reader_until = -math.inf
                         later = self._receive(sock, conn)
                     self._dispatch(later)
                 with self._lock:
+                    self._reader_until = -math.inf
                     now = time.monotonic()
                     deadline = self._core.next_deadline()
                     if deadline is not None and now >= deadline:
                         self._core.handle_timers(now)
                         deadline = self._core.next_deadline()
                     later = self._flush()
+                    self._reader_until = math.inf if deadline is None else deadline
                     done = not self._core.wants_connection
                     current, attempt_at = self._core.connection, self._core.attempt_at
                     leave = sock is not None and (done or current != conn)
