@@ -417,6 +417,7 @@ class Client(ShellBase):
         sock: socket.socket | None = None
         conn = 0
         readable = False  # the last pass found the socket readable
+        registered = False  # ``sock`` is in the epoll set
         try:
             while True:
                 if readable and sock is not None:  # the answers first: their callers wake while this keeps the books
@@ -446,9 +447,12 @@ class Client(ShellBase):
                         self._wakes = None
                 self._dispatch(later)
                 readable = False
-                if leave and not busy:  # the core left this connection, and no caller waits on it
+                if leave and registered:  # out of the set at once: a hang-up would wake this thread again and again
                     assert sock is not None
                     wakes.forget(sock)
+                    registered = False
+                if leave and not busy:  # the core left this connection, and no caller waits on it
+                    assert sock is not None
                     sock.close()
                     sock = None
                 if done and not busy:
@@ -459,6 +463,7 @@ class Client(ShellBase):
                         self._wakeup.clear()
                     else:
                         sock, conn = self._attempt(wakes)
+                        registered = sock is not None
                     continue
                 for fd, _ in wakes.epoll.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
                     if fd == wakes.reader:
@@ -613,8 +618,9 @@ class _Wakes:
     def watch(self, sock: socket.socket, on: bool) -> None:
         """Under the client's lock: the socket's readiness wakes the reader thread (``on``) or nobody.
 
-        A mask of 0 silences the socket, hang-ups included; EPOLL_CTL_MOD wakes the waiter only if the
-        socket is ready under its new mask (epoll_ctl(2); ``ep_modify`` in fs/eventpoll.c).
+        EPOLL_CTL_MOD wakes the waiter only if the socket is ready under its new mask (``ep_modify`` in
+        fs/eventpoll.c); a mask of 0 leaves only EPOLLERR and EPOLLHUP, which epoll always reports
+        (epoll_ctl(2)): a connection's end still wakes the reader thread, which then takes the socket out.
         """
         with self._guard:
             if not self._closed:
