@@ -73,7 +73,8 @@ def test_preempted_holder_is_parked_and_its_access_waits_for_the_lock(
     started = time.monotonic()
     grant = b.acquire(timeout=10)  # a never yields: it is preempted after 0.3 + 0.2 s
     assert grant.job == "b" and time.monotonic() - started >= 0.4
-    wait_for(lambda: a.preempted is not None)
+    # The push changes a's state in its core before its callback runs (outside the client's lock): wait for both.
+    wait_for(lambda: a.preempted is not None and len(pushes) >= 2)
     assert "maximum slice of 0.3 s" in a.preempted
     assert [e for e, _ in pushes][:2] == ["slice_overdue", "preempted"]
     assert [w["job"] for w in group(b)["queue"]] == ["a"] and group(b)["queue"][0]["preempted"]
@@ -87,6 +88,7 @@ def test_preempted_holder_is_parked_and_its_access_waits_for_the_lock(
     b.release()  # ...until it is granted again, automatically
     reader.join(10)
     assert seen == [before]
+    wait_for(lambda: pushes[-1][0] == "granted")
     assert a.preempted is None and ("granted", pushes[-1][1]) == pushes[-1]
     assert a.release()["group"] == "g"
     assert group(b)["preemptions"] == 1

@@ -84,13 +84,29 @@ class Client(ShellBase):
 
     The logic lives in ``ClientSession``; this shell is a socket, a reader
     thread (which opens connections, reads them and keeps the session's timers)
-    and one lock through which every thread hands the session its inputs.
+    and one lock through which every thread hands the session its inputs. A
+    caller that waits for an answer on an open connection reads the socket
+    itself, so the kernel wakes the waiting thread directly (one thread wake
+    per answer instead of two); the reader thread reads whenever no caller
+    does, for the daemon's pushes and directives.
     """
 
     def _start_io(self) -> None:
         self._lock = threading.Lock()  # one input at a time into the core; guards _sock, _waiters, _driving
         self._waiters: dict[int, _Answer] = {}
         self._sock: socket.socket | None = None  # the open connection, for sending; the reader owns it
+        self._sock_conn = 0  # the core's id of the connection ``_sock`` is
+        # Who reads the socket. Bytes are read only under ``_lock``, by a non-blocking recv whose bytes go to
+        # the core in the same critical section, so their order holds whoever reads. The reader thread
+        # waits in an epoll set that holds the socket; a caller that reads the socket itself takes it out
+        # of that set (its events masked) and puts it back when it leaves. epoll_ctl(2) wakes no thread
+        # for that, unless the socket holds bytes by then (which the reader thread must read anyway).
+        self._caller_reading = False  # a caller waits on the socket for its answer
+        self._wakes: _Wakes | None = None  # the reader thread's epoll set and wake-ups, while it runs
+        # When the reader thread looks at the core's timers next unless woken (-inf: it is about to look). It
+        # keeps the timers (heartbeats above all), and input fed by another thread (a caller that reads the
+        # socket) can bring one sooner: the register step arms the heartbeat, say.
+        self._reader_until = -math.inf
         self._driving = False  # a reader thread runs (it clears this, under the lock, when it ends)
         self._reader: threading.Thread | None = None
         self._wakeup = threading.Event()  # wakes the reader while it waits between connection attempts
@@ -248,10 +264,15 @@ class Client(ShellBase):
         return rid, future, deadline
 
     def _wait(self, waiter: Waiter) -> Any:
-        """The request's result; the caller keeps the core's deadline for it (the reader may be busy connecting)."""
+        """The request's result; the caller keeps the core's deadline for it (the reader may be busy connecting).
+
+        On an open connection this thread reads the socket itself while it waits (``_read_for``), so the
+        answer wakes it directly, not the reader thread first.
+        """
         rid, future, deadline = waiter
         try:
             while True:
+                self._read_for(future, deadline)
                 try:
                     return future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
@@ -265,6 +286,66 @@ class Client(ShellBase):
                 self._waiters.pop(rid, None)
             self._step(functools.partial(self._core.abandon, rid))
             raise
+
+    def _read_for(self, future: _Answer, deadline: float | None) -> None:
+        """Read the socket in this thread until ``future`` is answered or ``deadline`` passes.
+
+        Returns at once when there is no open connection or another caller reads it (the reader thread
+        or that caller then answers ``future``), and when the connection goes (the reader thread reconnects).
+        """
+        with self._lock:
+            sock, conn, wakes = self._sock, self._sock_conn, self._wakes
+            if sock is None or wakes is None or self._caller_reading:
+                return
+            future.watch(wakes)  # before the look below: an answer set from now on wakes this thread
+            if future.settled:
+                future.watch(None)
+                return
+            self._caller_reading = True
+            wakes.watch(sock, False)  # the reader thread stays asleep when the answer comes
+        try:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            poller.register(wakes.caller, select.POLLIN)
+            while not future.settled:
+                wait = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
+                events = poller.poll(wait)
+                if not events:
+                    return  # the deadline: the caller keeps the core's timers
+                if any(fd == wakes.caller for fd, _ in events):
+                    wakes.drain(wakes.caller)
+                with self._lock:
+                    if self._sock is not sock:
+                        return  # the connection ended or was left
+                    later = self._receive(sock, conn)
+                    gone = self._core.connection != conn
+                self._dispatch(later)
+                if gone:
+                    return
+        finally:
+            with self._lock:
+                future.watch(None)
+                self._caller_reading = False
+                if self._sock is sock:
+                    wakes.watch(sock, True)  # the reader thread's again, for the pushes
+                else:
+                    wakes.wake(wakes.reader)  # left by the core: the reader thread closes it now
+
+    def _receive(self, sock: socket.socket, conn: int) -> list[tuple[_Answer | None, Output]]:
+        """Under the lock: what the socket holds now into the core (its end too); the outputs for ``_dispatch``."""
+        try:
+            data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            reason = "the daemon closed the connection"
+        except BlockingIOError:
+            return []  # another thread read it first
+        except OSError as exc:
+            data, reason = b"", f"connection to the daemon failed: {exc}"
+        if data:
+            self._core.receive_data(conn, data, time.monotonic())
+        else:
+            self._core.connection_lost(conn, time.monotonic(), reason)
+            self._rooms.lost(reason)  # a streamed unpark waiting for room ends (its regions stay parked)
+        return self._flush()
 
     def _step(self, action: Callable[[float], T]) -> T:
         """One input into the core, then its outputs carried out."""
@@ -285,6 +366,10 @@ class Client(ShellBase):
                 self._sock.sendall(data)
             except OSError:
                 self._shutdown()  # the reader sees the connection end and tells the core
+        wakes, due = self._wakes, self._core.next_deadline()
+        if wakes is not None and due is not None and due < self._reader_until:
+            self._reader_until = due
+            wakes.wake(wakes.reader)  # a timer came sooner than the reader thread sleeps
         later: list[tuple[_Answer | None, Output]] = []
         for out in self._core.drain():
             if isinstance(out, Disconnect):
@@ -324,78 +409,88 @@ class Client(ShellBase):
             self._driving = True
             if self._directives is None:
                 self._directives = directive_worker(self.job)
-            self._reader = threading.Thread(target=self._read_loop, name=f"timesliced-{self.job}", daemon=True)
+            self._wakes = wakes = _Wakes()
+            self._reader = threading.Thread(
+                target=self._read_loop, args=(wakes,), name=f"timesliced-{self.job}", daemon=True
+            )
             self._reader.start()
 
-    def _read_loop(self) -> None:
+    def _read_loop(self, wakes: _Wakes) -> None:
         """Open connections, read them and keep the core's timers, while the core wants a connection.
 
-        One pass per event (bytes read, the connection gone, a deadline): what was read goes to the
-        core first, and its answers to their callers, before the books (timers, the connection's state).
+        One pass per event (bytes read, the connection gone, a deadline, a wake): what was read goes to
+        the core first, and its answers to their callers, before the books (timers, the connection's
+        state). While a caller reads the socket itself (``_read_for``), the socket is out of this thread's
+        epoll set, and this thread keeps the timers; a socket the core left is closed once no caller reads it.
         """
         sock: socket.socket | None = None
         conn = 0
-        poller = select.poll()
-        read: bytes | None = None  # what the last pass read: bytes, or b"" for the connection's end
-        reason = ""
+        readable = False  # the last pass found the socket readable
+        registered = False  # ``sock`` is in the epoll set
         try:
             while True:
-                if read:  # the answers first: their callers wake while this thread keeps the books
+                if readable and sock is not None:  # the answers first: their callers wake while this keeps the books
                     with self._lock:
-                        self._core.receive_data(conn, read, time.monotonic())
-                        later = self._flush()
+                        self._reader_until = -math.inf
+                        later = self._receive(sock, conn)
                     self._dispatch(later)
                 with self._lock:
+                    self._reader_until = -math.inf
                     now = time.monotonic()
-                    if read is not None and not read:
-                        self._core.connection_lost(conn, now, reason)
-                        self._rooms.lost(reason or "the connection to the daemon ended")
                     deadline = self._core.next_deadline()
                     if deadline is not None and now >= deadline:
                         self._core.handle_timers(now)
                         deadline = self._core.next_deadline()
                     later = self._flush()
+                    self._reader_until = math.inf if deadline is None else deadline
                     done = not self._core.wants_connection
-                    if done:
-                        self._driving = False
                     current, attempt_at = self._core.connection, self._core.attempt_at
-                    if sock is not None and (done or current != conn) and self._sock is sock:
+                    leave = sock is not None and (done or current != conn)
+                    busy = self._caller_reading  # a caller reads the socket: it is closed once that caller left
+                    if leave and self._sock is sock:
                         self._sock = None
+                        if busy:
+                            wakes.wake(wakes.caller)  # that caller leaves the socket too
+                    if done and not busy:
+                        self._driving = False
+                        self._wakes = None
                 self._dispatch(later)
-                read = None
-                if sock is not None and (done or current != conn):  # the core left this connection
-                    poller.unregister(sock)
+                readable = False
+                if leave and registered:  # out of the set at once: a hang-up would wake this thread again and again
+                    assert sock is not None
+                    wakes.forget(sock)
+                    registered = False
+                if leave and not busy:  # the core left this connection, and no caller waits on it
+                    assert sock is not None
                     sock.close()
                     sock = None
-                if done:
+                if done and not busy:
                     return
-                if not current:
+                if not current and not busy:
                     if attempt_at is None or attempt_at > now:
                         self._wakeup.wait(None if deadline is None else max(0.0, deadline - now))
                         self._wakeup.clear()
                     else:
-                        sock, conn = self._attempt()
-                        if sock is not None:
-                            poller.register(sock, select.POLLIN)
+                        sock, conn = self._attempt(wakes)
+                        registered = sock is not None
                     continue
-                assert sock is not None
-                wait = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
-                if poller.poll(wait):
-                    try:
-                        read = sock.recv(1 << 16)
-                        reason = "the daemon closed the connection"
-                    except OSError as exc:
-                        read, reason = b"", f"connection to the daemon failed: {exc}"
+                for fd, _ in wakes.epoll.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                    if fd == wakes.reader:
+                        wakes.drain(fd)
+                    else:
+                        readable = True
         except BaseException:
             log.exception("job %r: the client's reader failed; closing the client", self.job)
             with self._lock:
                 self._driving = False
+                self._wakes = None
             self._step(self._core.close)
         finally:
             if sock is not None:
                 sock.close()
+            wakes.close()
 
-    def _attempt(self) -> tuple[socket.socket | None, int]:
+    def _attempt(self, wakes: _Wakes) -> tuple[socket.socket | None, int]:
         self._refresh_token()  # reads the environment: before the lock
         with self._lock:
             now = time.monotonic()
@@ -418,7 +513,8 @@ class Client(ShellBase):
                 sock.close()
                 return None, 0
             conn = self._core.connection_made(time.monotonic())
-            self._sock = sock
+            self._sock, self._sock_conn = sock, conn
+            wakes.add(sock)  # with ``_sock``: a caller that finds the one finds the other
             later = self._flush()
         self._dispatch(later)
         return sock, conn
@@ -505,24 +601,103 @@ def _dial(address: Address, timeout: float) -> socket.socket:
             time.sleep(0.01)
 
 
-class _Answer:
-    """A request's answer, for the one caller that waits for it (lighter than a ``Future``: on the lock's path)."""
+class _Wakes:
+    """The reader thread's epoll set (its wake-up counter and the socket), and a wake-up counter for a reading caller.
 
-    __slots__ = ("_done", "_error", "_value")
+    The counters are eventfds: a write wakes the poller with a plain wake-up (``wake_up_locked_poll`` in
+    the kernel's fs/eventfd.c), where a pipe's is a "sync" one (``wake_up_interruptible_sync_poll``,
+    fs/pipe.c) that runs the woken thread at once on the writer's CPU, ahead of the writer. Writes are
+    refused once closed, so a late wake never writes into a file descriptor number that was reused.
+    """
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._closed = False
+        # Non-blocking: a read of a zero counter raises BlockingIOError (eventfd(2)); not inherited (PEP 446).
+        self.reader = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.caller = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.epoll = select.epoll()
+        self.epoll.register(self.reader, select.EPOLLIN)
+        self.watching = False  # the socket is in the set, unmasked
+
+    def add(self, sock: socket.socket) -> None:
+        self.epoll.register(sock, select.EPOLLIN)
+        self.watching = True
+
+    def watch(self, sock: socket.socket, on: bool) -> None:
+        """Under the client's lock: the socket's readiness wakes the reader thread (``on``) or nobody.
+
+        EPOLL_CTL_MOD wakes the waiter only if the socket is ready under its new mask (``ep_modify`` in
+        fs/eventpoll.c); a mask of 0 leaves only EPOLLERR and EPOLLHUP, which epoll always reports
+        (epoll_ctl(2)): a connection's end still wakes the reader thread, which then takes the socket out.
+        """
+        with self._guard:
+            if not self._closed:
+                self.epoll.modify(sock, select.EPOLLIN if on else 0)
+                self.watching = on
+
+    def forget(self, sock: socket.socket) -> None:
+        self.epoll.unregister(sock)
+        self.watching = False
+
+    def wake(self, fd: int) -> None:
+        with self._guard:
+            if not self._closed:
+                os.eventfd_write(fd, 1)
+
+    @staticmethod
+    def drain(fd: int) -> None:
+        try:
+            os.eventfd_read(fd)  # resets the counter to zero
+        except OSError:  # zero already (EAGAIN), or closed after a failure of the reader thread
+            pass
+
+    def close(self) -> None:
+        with self._guard:
+            if not self._closed:
+                self._closed = True
+                self.epoll.close()
+                os.close(self.reader)
+                os.close(self.caller)
+
+
+class _Answer:
+    """A request's answer, for the one caller that waits for it (lighter than a ``Future``: on the lock's path).
+
+    While its caller reads the socket itself (``watch``), an answer set by another thread also wakes that
+    caller through its wake-up counter: the caller waits on the socket, not on this answer.
+    """
+
+    __slots__ = ("_done", "_error", "_value", "_watched_by", "_watcher", "settled")
 
     def __init__(self) -> None:
         self._done = threading.Lock()
         self._done.acquire()  # released once the answer is in
         self._value: Any = None
         self._error: BaseException | None = None
+        self._watcher: _Wakes | None = None
+        self._watched_by = 0  # the thread that reads the socket for this answer
+        self.settled = False
+
+    def watch(self, wakes: _Wakes | None) -> None:
+        """From the calling thread, which reads the socket for this answer: wake it through ``wakes`` (None: stop)."""
+        self._watched_by = threading.get_ident()
+        self._watcher = wakes
 
     def set_result(self, value: Any) -> None:
         self._value = value
-        self._done.release()
+        self._settle()
 
     def set_exception(self, error: BaseException) -> None:
         self._error = error
+        self._settle()
+
+    def _settle(self) -> None:
+        self.settled = True
         self._done.release()
+        watcher = self._watcher  # after the answer is in: a caller that looks after this line sees it
+        if watcher is not None and self._watched_by != threading.get_ident():
+            watcher.wake(watcher.caller)
 
     def result(self, timeout: float | None) -> Any:
         """The value, or raises the error; raises ``TimeoutError`` when none came within ``timeout``."""

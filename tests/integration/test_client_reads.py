@@ -1,0 +1,162 @@
+"""``Client``: a waiting call reads the socket in its own thread; the reader thread reads the rest of the time.
+
+These look at the shell's state (``_caller_reading``; ``_wakes.watching``: the socket is in the reader
+thread's epoll set, unmasked) to show which thread waits on the socket; the behaviour they guard
+(answers, pushes, close, timeouts) is checked from the outside as well.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import timesliced
+from timesliced import errors
+from timesliced.config import DaemonConfig
+from timesliced.core.slices import SlicePolicy
+from timesliced.daemon.embedded import EmbeddedDaemon
+from timesliced.env import default_sim_dir
+
+from ..helpers.processes import wait_for
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def warned(tmp_path: Path) -> Iterator[EmbeddedDaemon]:
+    """A daemon that warns a holder (``slice_overdue``) 0.2 s into a slice that others wait for."""
+    config = DaemonConfig(
+        state_dir=tmp_path / "state",
+        backend="sim",
+        gpus=1,
+        gpu_memory=8 * MiB,
+        bandwidth=0,
+        slice_policies={"*": SlicePolicy(0.2, "warn")},
+    )
+    d = EmbeddedDaemon(config).start()
+    yield d
+    d.stop()
+    shutil.rmtree(default_sim_dir(tmp_path / "state"), ignore_errors=True)
+
+
+def reader_watches(client: timesliced.Client) -> bool:
+    """The client's socket wakes its reader thread (in its epoll set, unmasked)."""
+    wakes = client._wakes
+    return wakes is not None and wakes.watching
+
+
+def acquire_in_thread(client: timesliced.Client, **kw: Any) -> tuple[threading.Thread, list[Any]]:
+    """``client.acquire(**kw)`` on a thread of its own; the list gets the grant or the exception."""
+    got: list[Any] = []
+
+    def run() -> None:
+        try:
+            got.append(client.acquire(**kw))
+        except BaseException as exc:  # the test looks at it
+            got.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, got
+
+
+def test_a_waiting_acquire_reads_the_socket_and_gives_it_back_for_the_pushes(warned: EmbeddedDaemon) -> None:
+    pushes: list[str] = []
+    with (
+        timesliced.Client(job="a", group="g", address=warned.socket) as a,
+        timesliced.Client(job="b", group="g", address=warned.socket, on_push=lambda e, _: pushes.append(e)) as b,
+        timesliced.Client(job="c", group="g", address=warned.socket) as c,
+    ):
+        wait_for(lambda: reader_watches(b))  # connected and idle: the reader thread waits on the socket
+        a.acquire()
+        t, got = acquire_in_thread(b)
+        wait_for(lambda: b._caller_reading and not reader_watches(b))  # b's caller took the socket
+        a.release()
+        t.join(5)
+        assert got and isinstance(got[0], timesliced.Grant) and got[0].job == "b"
+        wait_for(lambda: reader_watches(b))  # given back: the reader thread waits on the socket again
+        assert not b._caller_reading
+        waiter, later = acquire_in_thread(c)  # b now holds a slice that c waits for: warned 0.2 s in
+        wait_for(lambda: "slice_overdue" in pushes, timeout=5)  # read by b's reader thread: nobody waits
+        b.release()
+        waiter.join(5)
+        assert later and isinstance(later[0], timesliced.Grant) and later[0].job == "c"
+        c.release()
+
+
+def test_an_answer_set_by_another_thread_wakes_the_caller_reading_the_socket(warned: EmbeddedDaemon) -> None:
+    """The caller waits on the socket, not on its answer: whoever else settles the answer must wake it."""
+    with (
+        timesliced.Client(job="a", group="g", address=warned.socket) as a,
+        timesliced.Client(job="b", group="g", address=warned.socket) as b,
+    ):
+        a.acquire()
+        t, got = acquire_in_thread(b)
+        wait_for(lambda: b._caller_reading)
+        with b._lock:
+            ((rid, answer),) = b._waiters.items()  # the acquire's
+            del b._waiters[rid]
+        answer.set_exception(errors.AcquireCancelled("settled by the test from another thread"))
+        t.join(2)
+        assert not t.is_alive(), "the caller reading the socket did not wake for its answer"
+        assert isinstance(got[0], errors.AcquireCancelled)
+        wait_for(lambda: reader_watches(b) and not b._caller_reading)
+        a.release()
+
+
+def test_close_from_another_thread_ends_an_acquire_that_reads_the_socket(warned: EmbeddedDaemon) -> None:
+    a = timesliced.Client(job="a", group="g", address=warned.socket)
+    b = timesliced.Client(job="b", group="g", address=warned.socket)
+    try:
+        b.connect()  # an acquire reads the socket itself when it finds the connection open
+        a.acquire()
+        t, got = acquire_in_thread(b)
+        wait_for(lambda: b._caller_reading)
+        b.close()
+        t.join(5)
+        assert got and isinstance(got[0], errors.ConnectionLost)
+        assert b._reader is not None and not b._reader.is_alive()  # the reader thread ended once the caller left
+        a.release()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_timed_out_acquire_that_reads_the_socket_leaves_the_queue(warned: EmbeddedDaemon) -> None:
+    with (
+        timesliced.Client(job="a", group="g", address=warned.socket) as a,
+        timesliced.Client(job="b", group="g", address=warned.socket) as b,
+    ):
+        a.acquire()
+        started = time.monotonic()
+        with pytest.raises(errors.AcquireTimeout):
+            b.acquire(timeout=0.2)
+        assert time.monotonic() - started < 5
+        wait_for(lambda: reader_watches(b) and not b._caller_reading)
+        a.release()
+        assert b.acquire(timeout=5).fence == 2  # b's expired acquire was never granted behind its back
+        b.release()
+
+
+def test_a_call_while_another_caller_reads_is_answered_through_that_caller(warned: EmbeddedDaemon) -> None:
+    """One caller reads the socket at a time; the others' answers reach them through it."""
+    with (
+        timesliced.Client(job="a", group="g", address=warned.socket) as a,
+        timesliced.Client(job="b", group="g", address=warned.socket) as b,
+    ):
+        a.acquire()
+        t, got = acquire_in_thread(b)
+        wait_for(lambda: b._caller_reading)
+        assert [j["job"] for j in b.status()["jobs"]] == ["a", "b"]  # read by the acquiring thread
+        assert b._caller_reading and t.is_alive()  # which still waits on the socket for its grant
+        a.release()
+        t.join(5)
+        assert got and isinstance(got[0], timesliced.Grant)
+        b.ping()  # the socket is free again: this caller reads it itself
+        b.release()
