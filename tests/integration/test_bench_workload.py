@@ -99,21 +99,27 @@ def test_two_jobs_at_once_finds_an_overlap() -> None:
     assert two_jobs_at_once([a, {**a, "job": "y", "start": 1.0, "end": 2.0}, {**a, "gpu": 1, "job": "z"}]) == []
 
 
-def test_bench_workload_quick_runs_every_mode_without_losing_a_byte(tmp_path: Path) -> None:
-    scenario = tmp_path / "tiny.toml"
-    scenario.write_text(TINY)
-    png = artifacts(tmp_path) / "bench-workload.png"
-    png.unlink(missing_ok=True)
-    args = ["bench", "workload", "--scenario", str(scenario), "--quick", "--json", "--plot", str(png)]
+def workload_json(*args: str) -> dict[str, Any]:
+    """``timesliced bench workload ARGS`` in a fresh interpreter; its ``--json`` report."""
     result = subprocess.run(
-        [sys.executable, "-m", "timesliced", *args],
+        [sys.executable, "-m", "timesliced", "bench", "workload", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=110,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(result.stdout)
+    report: dict[str, Any] = json.loads(result.stdout)
+    return report
+
+
+def test_bench_workload_quick_runs_every_mode_without_losing_a_byte(tmp_path: Path) -> None:
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(TINY)
+    png = artifacts(tmp_path) / "bench-workload.png"
+    png.unlink(missing_ok=True)
+    args = ["--scenario", str(scenario), "--quick", "--plot", str(png)]
+    report = workload_json(*args)
     assert set(report["modes"]) == {"dedicated", "serial", "reference", "timesliced"}
     assert report["lower_bound_s"] == pytest.approx(0.05 * max(2 * 2 * 3 + 6, 2 * (5 + 4), 2 * 8))
     for name, mode in report["modes"].items():
@@ -135,16 +141,8 @@ def test_bench_workload_quick_runs_every_mode_without_losing_a_byte(tmp_path: Pa
 
 @pytest.mark.slow
 def test_bench_workload_runs_the_packaged_short_gaps_scenario_with_anticipation() -> None:
-    args = ["bench", "workload", "--scenario", "short-gaps", "--quick", "--modes", "timesliced,anticipating", "--json"]
-    result = subprocess.run(
-        [sys.executable, "-m", "timesliced", *args],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(result.stdout)
+    args = ["--scenario", "short-gaps", "--quick", "--modes", "timesliced,anticipating"]
+    report = workload_json(*args)
     assert report["scenario"] == "the packaged scenario (short-gaps.toml)"
     assert set(report["modes"]) == {"timesliced", "anticipating"}
     for name, mode in report["modes"].items():
