@@ -201,7 +201,7 @@ def format_handoff(r: dict[str, Any]) -> str:
             f"  uncontended acquire+release       {r['acquire_release_per_s']:.0f} /s",
             f"  daemon ping round trip            p50 {r['ping_rtt_p50_ms']:.3f} ms   "
             f"(handoff p50 / ping p50 {r['handoff_over_ping']:.2f}x)",
-            f"  {'ping after ' + format(r['hold_ms'], 'g') + ' ms idle, as a handoff':<34}p50 "
+            f"  {'ping after ' + format(r['hold_ms'], 'g') + ' ms idle':<34}p50 "
             f"{r['ping_after_idle_p50_ms']:.3f} ms   "
             f"(handoff p50 / it {r['handoff_over_ping_after_idle']:.2f}x)",
             f"  raw loopback round trip (floor)   p50 {r['loopback_rtt_p50_ms']:.3f} ms",
