@@ -157,7 +157,8 @@ def test_bench_handoff_prints_figures() -> None:
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
     keys = ("handoff_p50_ms", "handoff_p99_ms", "acquire_release_per_s", "loopback_rtt_p50_ms", "ping_rtt_p50_ms")
-    for key in (*keys, "ping_after_idle_p50_ms", "handoff_over_ping", "handoff_over_ping_after_idle"):
+    noop = ("noop_handoff_p50_ms", "noop_ping_rtt_p50_ms", "noop_handoff_over_ping", "handoff_over_noop")
+    for key in (*keys, "ping_after_idle_p50_ms", "handoff_over_ping", "handoff_over_ping_after_idle", *noop):
         assert figures[key] > 0, key
     assert figures["handoffs"] >= 150
     assert figures["fences_strictly_increasing"]

@@ -4,10 +4,15 @@
 no device memory, so a handoff is pure lock traffic: the time from one job's
 release to the next job's acquire returning. Clocks are compared across
 processes with ``time.perf_counter`` (CLOCK_MONOTONIC on Linux).
+
+Two floors are measured in the same run: a raw Unix-socket round trip, and the
+same job processes against a server that does nothing but hand one lock over
+(``noop_lock_server``), so what the daemon's own work adds is its own figure.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -17,11 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..client.codec import Grant
 from ..util.stats import percentile
+from ..wire.codec import FrameDecoder, encode
+from ..wire.messages import PROTOCOL_VERSION
 from .common import DaemonProcess
 
 GROUP = "bench"
@@ -88,6 +96,87 @@ def echo_server(path: str) -> None:
         with conn:
             while data := conn.recv(4096):
                 conn.sendall(data)
+
+
+@dataclass
+class _Lock:
+    """The one lock of ``noop_lock_server``: its holder, the queue (a connection and its acquire's id), the jobs."""
+
+    holder: _NoopClient | None = None
+    queue: list[tuple[_NoopClient, int]] = field(default_factory=list)
+    fence: int = 0
+    jobs: dict[str, None] = field(default_factory=dict)
+
+    def hand_over(self) -> None:
+        self.holder = None
+        if self.queue:
+            waiter, rid = self.queue.pop(0)
+            waiter.grant(rid)
+
+
+class _NoopClient(asyncio.Protocol):
+    """One connection to ``noop_lock_server``: answers what the job processes ask, in the daemon's protocol."""
+
+    def __init__(self, lock: _Lock) -> None:
+        self.lock, self.decoder, self.job = lock, FrameDecoder(), ""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lock.queue = [(c, rid) for c, rid in self.lock.queue if c is not self]
+        if self.lock.holder is self:
+            self.lock.hand_over()
+
+    def data_received(self, data: bytes) -> None:
+        lock = self.lock
+        for message in self.decoder.feed(data):
+            rid, op, args = message["id"], message["op"], message.get("args", {})
+            if op == "hello":
+                self.reply(rid, {"version": PROTOCOL_VERSION, "node": "noop", "backend": "none", "session": id(self)})
+            elif op == "register":
+                self.job = args["job"]
+                lock.jobs[self.job] = None
+                self.reply(rid, {"job": self.job, "group": args["group"], "gpus": [0], "session": id(self)})
+            elif op == "status":
+                self.reply(rid, {"jobs": [{"name": job} for job in lock.jobs]})
+            elif op == "acquire":
+                if lock.holder is None:
+                    self.grant(rid)
+                else:
+                    lock.queue.append((self, rid))
+            elif op == "release":
+                lock.hand_over()  # the next holder first, as the daemon does
+                self.reply(rid, {"group": GROUP, "fence": lock.fence, "held_s": 0.0})
+            else:  # ping, and the client's heartbeats
+                self.reply(rid, {})
+
+    def grant(self, rid: int) -> None:
+        self.lock.holder = self
+        self.lock.fence += 1
+        grant = {"waited_s": 0.0, "switch_s": 0.0, "restored": False, "term": 1}
+        self.reply(rid, {"group": GROUP, "job": self.job, "fence": self.lock.fence, **grant})
+
+    def reply(self, rid: int, result: dict[str, Any]) -> None:
+        self.transport.write(encode({"id": rid, "ok": True, "result": result}))
+
+
+def noop_lock_server(path: str) -> None:
+    """A server that does nothing but hand one lock over, first come first served, in the daemon's protocol.
+
+    The same job processes against it give the floor of a handoff with this client: what the client,
+    the kernel and the machine cost. The daemon's own work is what its handoff adds to that.
+    """
+
+    async def serve() -> None:
+        lock = _Lock()
+        server = await asyncio.get_running_loop().create_unix_server(lambda: _NoopClient(lock), path=path)
+        print("ready", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(serve())
 
 
 def loopback_rtt(rounds: int) -> float:
@@ -157,25 +246,16 @@ def run_handoff(rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001, nodes:
 
 
 def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float) -> dict[str, Any]:
-    per_job = max(1, rounds // jobs)
-    procs = [_run_worker("handoff", address, f"job-{i}", jobs, per_job, hold_s) for i in range(jobs)]
-    records = [_result(p) for p in procs]
-    solo = _result(_run_worker("uncontended", address, rounds, hold_s))
-    slices = sorted((acq, rel, fence, r["job"]) for r in records for acq, rel, fence in r["slices"])
-    fences = [s[2] for s in slices]
-    handoffs = [
-        (nxt[0] - prev[1]) * 1000
-        for prev, nxt in itertools.pairwise(slices)
-        if nxt[3] != prev[3] and nxt[2] == prev[2] + 1
-    ]
-    if not handoffs:
-        raise RuntimeError("the jobs never handed the lock to each other: no handoff to measure")
+    handoffs, fences, solo = _handoffs(address, rounds, jobs, hold_s)
+    with _noop_server() as noop:
+        noop_handoffs, _, noop_solo = _handoffs(noop, rounds, jobs, hold_s)
     floor = loopback_rtt(min(rounds, 5000))
     p50 = percentile(handoffs, 0.5) or 0.0
+    noop_p50 = percentile(noop_handoffs, 0.5) or 0.0
     return {
         "jobs": jobs,
         "hold_ms": hold_s * 1000,
-        "rounds": len(slices),
+        "rounds": len(fences),
         "handoffs": len(handoffs),
         "handoff_p50_ms": p50,
         "handoff_p99_ms": percentile(handoffs, 0.99),
@@ -185,10 +265,54 @@ def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float) -> dic
         "handoff_over_ping": p50 / solo["ping_rtt_p50_ms"],
         "ping_after_idle_p50_ms": solo["ping_after_idle_p50_ms"],
         "handoff_over_ping_after_idle": p50 / solo["ping_after_idle_p50_ms"],
+        "noop_handoff_p50_ms": noop_p50,
+        "noop_ping_rtt_p50_ms": noop_solo["ping_rtt_p50_ms"],
+        "noop_handoff_over_ping": noop_p50 / noop_solo["ping_rtt_p50_ms"],
+        "handoff_over_noop": p50 / noop_p50,
         "loopback_rtt_p50_ms": floor,
         "handoff_over_loopback": p50 / floor,
         "fences_strictly_increasing": all(b > a for a, b in itertools.pairwise(fences)),
     }
+
+
+def _handoffs(address: str, rounds: int, jobs: int, hold_s: float) -> tuple[list[float], list[int], dict[str, Any]]:
+    """The jobs' handoffs (ms) through the lock at ``address``, every grant's fence in order, and the solo figures."""
+    per_job = max(1, rounds // jobs)
+    procs = [_run_worker("handoff", address, f"job-{i}", jobs, per_job, hold_s) for i in range(jobs)]
+    records = [_result(p) for p in procs]
+    solo = _result(_run_worker("uncontended", address, rounds, hold_s))
+    slices = sorted((acq, rel, fence, r["job"]) for r in records for acq, rel, fence in r["slices"])
+    handoffs = [
+        (nxt[0] - prev[1]) * 1000
+        for prev, nxt in itertools.pairwise(slices)
+        if nxt[3] != prev[3] and nxt[2] == prev[2] + 1
+    ]
+    if not handoffs:
+        raise RuntimeError(f"the jobs never handed the lock to each other at {address}: no handoff to measure")
+    return handoffs, [s[2] for s in slices], solo
+
+
+class _noop_server:
+    """``with _noop_server() as address:`` a ``noop_lock_server`` process listening there."""
+
+    def __enter__(self) -> str:
+        self.folder = tempfile.mkdtemp(prefix="timesliced-noop-")
+        path = os.path.join(self.folder, "noop.sock")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "timesliced.bench.handoff", "--noop", path], stdout=subprocess.PIPE
+        )
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline() != b"ready\n":
+            self.__exit__()
+            raise RuntimeError("the no-op lock server did not start")
+        return path
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def format_handoff(r: dict[str, Any]) -> str:
@@ -204,6 +328,9 @@ def format_handoff(r: dict[str, Any]) -> str:
             f"  {'ping after ' + format(r['hold_ms'], 'g') + ' ms idle':<34}p50 "
             f"{r['ping_after_idle_p50_ms']:.3f} ms   "
             f"(handoff p50 / it {r['handoff_over_ping_after_idle']:.2f}x)",
+            f"  same jobs, a no-op lock server    p50 {r['noop_handoff_p50_ms']:.3f} ms   "
+            f"(its ping {r['noop_ping_rtt_p50_ms']:.3f} ms: {r['noop_handoff_over_ping']:.2f}x; "
+            f"handoff / it {r['handoff_over_noop']:.2f}x)",
             f"  raw loopback round trip (floor)   p50 {r['loopback_rtt_p50_ms']:.3f} ms",
             f"  handoff p50 / loopback p50        {r['handoff_over_loopback']:.1f}x",
         ]
@@ -213,6 +340,8 @@ def format_handoff(r: dict[str, Any]) -> str:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--echo":
         echo_server(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--noop":
+        noop_lock_server(sys.argv[2])
     elif len(sys.argv) == 3 and sys.argv[1] == "--worker":
         kind, *rest = json.loads(sys.argv[2])
         worker = handoff_worker if kind == "handoff" else uncontended_worker
