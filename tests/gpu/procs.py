@@ -36,6 +36,7 @@ from typing import IO, Any
 
 MARKER = "TIMESLICED_GPU_CHECK_RUN"
 PROC = Path("/proc")
+KILLED_EXIT_S = 5.0  # how long a SIGKILLed process may take to exit (one in the driver takes a while)
 
 # argv: PARENT_PID COMMAND [ARG...]. PR_SET_PDEATHSIG is 1 (<linux/prctl.h>); the parent check
 # catches a parent that died before prctl ran (the child would be reparented already).
@@ -229,6 +230,11 @@ class Children:
             _signal_group(pgid, signal.SIGKILL)  # the leader's group may hold more than the leader
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)
+        # A killed member outlives its leader's reaping by a moment (it is still exiting): wait for it
+        # too, a bounded time, so that a group reported stopped is gone.
+        end = time.monotonic() + KILLED_EXIT_S
+        while any(group_alive(pgid) for pgid in groups) and time.monotonic() < end:
+            time.sleep(0.01)
         with self._lock:
             for pgid in groups:
                 if not group_alive(pgid):
