@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,86 @@ def uncontended_worker(address: str, rounds: int, hold_s: float = 0.001) -> dict
         "ping_rtt_p50_ms": (percentile(pings, 0.5) or 0.0) * 1000,
         "ping_after_idle_p50_ms": (percentile(idle, 0.5) or 0.0) * 1000,
     }
+
+
+class RawClient:
+    """The least a client of the daemon's protocol can be: one blocking socket, a request, its answer.
+
+    No reader thread, heartbeat, reconnection, timeout or push handling: the floor a handoff could reach
+    with a client that does nothing else, for comparison with ``Client``.
+    """
+
+    def __init__(self, address: str, job: str, group: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(address)
+        self.decoder = FrameDecoder()
+        self.answers: list[dict[str, Any]] = []
+        self.rid = 0
+        self.call("hello", {"version": PROTOCOL_VERSION})
+        self.call("register", {"job": job, "group": group, "pids": [os.getpid()]})
+
+    def call(self, op: str, args: dict[str, Any] | None = None) -> Any:
+        self.rid += 1
+        self.sock.sendall(encode({"id": self.rid, "op": op, "args": args or {}}))
+        while True:
+            while not self.answers:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    raise ConnectionError(f"the server closed the connection during {op!r}")
+                self.answers += self.decoder.feed(data)
+            answer = self.answers.pop(0)
+            if answer.get("id") == self.rid:  # pushes and stray answers are dropped
+                if not answer.get("ok"):
+                    raise RuntimeError(f"{op!r} failed: {answer.get('error')}")
+                return answer.get("result")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def raw_handoff_worker(address: str, job: str, jobs: int, rounds: int, hold_s: float) -> dict[str, Any]:
+    client = RawClient(address, job, GROUP)
+    try:
+        while len(client.call("status")["jobs"]) < jobs:
+            time.sleep(0.01)
+        slices = []
+        for _ in range(rounds):
+            grant = client.call("acquire")
+            acquired = time.perf_counter()
+            time.sleep(hold_s)
+            released = time.perf_counter()
+            client.call("release")
+            slices.append((acquired, released, grant["fence"]))
+    finally:
+        client.close()
+    return {"job": job, "slices": slices}
+
+
+def raw_uncontended_worker(address: str, rounds: int, hold_s: float = 0.001) -> dict[str, Any]:
+    client = RawClient(address, "solo", f"{GROUP}-solo")
+    try:
+        start = time.perf_counter()
+        for _ in range(rounds):
+            client.call("acquire")
+            client.call("release")
+        elapsed = time.perf_counter() - start
+        pings = []
+        for _ in range(min(rounds, 2000)):
+            t = time.perf_counter()
+            client.call("ping")
+            pings.append(time.perf_counter() - t)
+    finally:
+        client.close()
+    p50 = (percentile(pings, 0.5) or 0.0) * 1000
+    return {"acquire_release_per_s": rounds / elapsed, "ping_rtt_p50_ms": p50, "ping_after_idle_p50_ms": p50}
+
+
+WORKERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "handoff": handoff_worker,
+    "uncontended": uncontended_worker,
+    "raw-handoff": raw_handoff_worker,
+    "raw-uncontended": raw_uncontended_worker,
+}
 
 
 def echo_server(path: str) -> None:
@@ -247,12 +328,13 @@ def run_handoff(rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001, nodes:
 
 def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float) -> dict[str, Any]:
     handoffs, fences, solo = _handoffs(address, rounds, jobs, hold_s)
+    raw_handoffs, _, raw_solo = _handoffs(address, rounds, jobs, hold_s, raw=True)
     with _noop_server() as noop:
         noop_handoffs, _, noop_solo = _handoffs(noop, rounds, jobs, hold_s)
+        raw_noop_handoffs, _, raw_noop_solo = _handoffs(noop, rounds, jobs, hold_s, raw=True)
     floor = loopback_rtt(min(rounds, 5000))
     p50 = percentile(handoffs, 0.5) or 0.0
-    noop_p50 = percentile(noop_handoffs, 0.5) or 0.0
-    return {
+    figures = {
         "jobs": jobs,
         "hold_ms": hold_s * 1000,
         "rounds": len(fences),
@@ -265,22 +347,35 @@ def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float) -> dic
         "handoff_over_ping": p50 / solo["ping_rtt_p50_ms"],
         "ping_after_idle_p50_ms": solo["ping_after_idle_p50_ms"],
         "handoff_over_ping_after_idle": p50 / solo["ping_after_idle_p50_ms"],
-        "noop_handoff_p50_ms": noop_p50,
-        "noop_ping_rtt_p50_ms": noop_solo["ping_rtt_p50_ms"],
-        "noop_handoff_over_ping": noop_p50 / noop_solo["ping_rtt_p50_ms"],
-        "handoff_over_noop": p50 / noop_p50,
         "loopback_rtt_p50_ms": floor,
         "handoff_over_loopback": p50 / floor,
         "fences_strictly_increasing": all(b > a for a, b in itertools.pairwise(fences)),
     }
+    for prefix, got, pinged in (
+        ("noop_", noop_handoffs, noop_solo),
+        ("raw_", raw_handoffs, raw_solo),
+        ("raw_noop_", raw_noop_handoffs, raw_noop_solo),
+    ):
+        other = percentile(got, 0.5) or 0.0
+        figures[f"{prefix}handoff_p50_ms"] = other
+        figures[f"{prefix}ping_rtt_p50_ms"] = pinged["ping_rtt_p50_ms"]
+        figures[f"{prefix}handoff_over_ping"] = other / pinged["ping_rtt_p50_ms"]
+    figures["handoff_over_noop"] = p50 / figures["noop_handoff_p50_ms"]
+    return figures
 
 
-def _handoffs(address: str, rounds: int, jobs: int, hold_s: float) -> tuple[list[float], list[int], dict[str, Any]]:
-    """The jobs' handoffs (ms) through the lock at ``address``, every grant's fence in order, and the solo figures."""
+def _handoffs(
+    address: str, rounds: int, jobs: int, hold_s: float, *, raw: bool = False
+) -> tuple[list[float], list[int], dict[str, Any]]:
+    """The jobs' handoffs (ms) through the lock at ``address``, every grant's fence in order, and the solo figures.
+
+    ``raw``: the job processes use ``RawClient`` rather than ``Client``.
+    """
+    kind = "raw-" if raw else ""
     per_job = max(1, rounds // jobs)
-    procs = [_run_worker("handoff", address, f"job-{i}", jobs, per_job, hold_s) for i in range(jobs)]
+    procs = [_run_worker(f"{kind}handoff", address, f"job-{i}", jobs, per_job, hold_s) for i in range(jobs)]
     records = [_result(p) for p in procs]
-    solo = _result(_run_worker("uncontended", address, rounds, hold_s))
+    solo = _result(_run_worker(f"{kind}uncontended", address, rounds, hold_s))
     slices = sorted((acq, rel, fence, r["job"]) for r in records for acq, rel, fence in r["slices"])
     handoffs = [
         (nxt[0] - prev[1]) * 1000
@@ -328,13 +423,22 @@ def format_handoff(r: dict[str, Any]) -> str:
             f"  {'ping after ' + format(r['hold_ms'], 'g') + ' ms idle':<34}p50 "
             f"{r['ping_after_idle_p50_ms']:.3f} ms   "
             f"(handoff p50 / it {r['handoff_over_ping_after_idle']:.2f}x)",
-            f"  same jobs, a no-op lock server    p50 {r['noop_handoff_p50_ms']:.3f} ms   "
-            f"(its ping {r['noop_ping_rtt_p50_ms']:.3f} ms: {r['noop_handoff_over_ping']:.2f}x; "
-            f"handoff / it {r['handoff_over_noop']:.2f}x)",
+            "  handoff p50 / ping p50 by client and server, same run:",
+            f"    {'':<20}{'this daemon':<30}a no-op lock server",
+            _pair_line("timesliced client", r, "", "noop_"),
+            _pair_line("raw socket client", r, "raw_", "raw_noop_"),
+            f"    (the daemon's own work: handoff {r['handoff_over_noop']:.2f}x the no-op server's, same client)",
             f"  raw loopback round trip (floor)   p50 {r['loopback_rtt_p50_ms']:.3f} ms",
             f"  handoff p50 / loopback p50        {r['handoff_over_loopback']:.1f}x",
         ]
     )
+
+
+def _pair_line(label: str, r: dict[str, Any], here: str, noop: str) -> str:
+    def cell(p: str) -> str:
+        return f"{r[p + 'handoff_p50_ms']:.3f} / {r[p + 'ping_rtt_p50_ms']:.3f} ms {r[p + 'handoff_over_ping']:.2f}x"
+
+    return f"    {label:<20}{cell(here):<30}{cell(noop)}"
 
 
 if __name__ == "__main__":
@@ -344,7 +448,6 @@ if __name__ == "__main__":
         noop_lock_server(sys.argv[2])
     elif len(sys.argv) == 3 and sys.argv[1] == "--worker":
         kind, *rest = json.loads(sys.argv[2])
-        worker = handoff_worker if kind == "handoff" else uncontended_worker
-        print(json.dumps(worker(*rest)))
+        print(json.dumps(WORKERS[kind](*rest)))
     else:
         raise SystemExit("usage: timesliced bench handoff")
