@@ -158,5 +158,65 @@ def test_a_call_while_another_caller_reads_is_answered_through_that_caller(warne
         a.release()
         t.join(5)
         assert got and isinstance(got[0], timesliced.Grant)
-        b.ping()  # the socket is free again: this caller reads it itself
+        b.ping()  # the socket is free again (the main thread leaves it to the reader thread)
         b.release()
+
+
+def test_the_main_thread_waits_for_the_reader_thread_and_never_reads_the_socket(warned: EmbeddedDaemon) -> None:
+    """Signal handlers run in the main thread between any two steps: what it read could be lost there."""
+    with (
+        timesliced.Client(job="a", group="g", address=warned.socket) as a,
+        timesliced.Client(job="b", group="g", address=warned.socket) as b,
+    ):
+        a.acquire()
+        seen: list[bool] = []
+
+        def look_then_release() -> None:  # while the main thread waits in b.acquire()
+            wait_for(lambda: len(b._waiters) == 1)
+            time.sleep(0.2)
+            seen.append(b._caller_reading or not reader_watches(b))
+            a.release()
+
+        t = threading.Thread(target=look_then_release, daemon=True)
+        t.start()
+        assert b.acquire(timeout=10).job == "b"
+        t.join(5)
+        assert seen == [False], "the main thread took the socket from the reader thread"
+        b.release()
+
+
+def test_a_caller_interrupted_as_it_takes_the_socket_gives_it_back(
+    warned: EmbeddedDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception raised in a reading caller at any point leaves the socket to the reader thread again."""
+    from timesliced.client import sync
+
+    with timesliced.Client(job="a", group="g", address=warned.socket) as a:
+        a.ping()
+        watch = sync._Wakes.watch
+        armed = [True]
+
+        def interrupted_watch(self: Any, sock: Any, on: bool) -> None:
+            watch(self, sock, on)
+            if armed[0] and not on:
+                armed[0] = False
+                raise KeyboardInterrupt  # as an asynchronous exception would, just after the socket was masked
+
+        monkeypatch.setattr(sync._Wakes, "watch", interrupted_watch)
+        first: list[BaseException] = []
+
+        def ping() -> None:
+            try:
+                a.ping()
+            except BaseException as exc:  # the test looks at it
+                first.append(exc)
+
+        t = threading.Thread(target=ping, daemon=True)
+        t.start()
+        t.join(5)
+        assert first and isinstance(first[0], KeyboardInterrupt)
+        wait_for(lambda: reader_watches(a) and not a._caller_reading)
+        later, got = acquire_in_thread(a, timeout=5)  # and a reading caller gets its answer again
+        later.join(5)
+        assert got and isinstance(got[0], timesliced.Grant)
+        a.release()

@@ -133,3 +133,9 @@ def test_register_args_carry_a_party_and_refuse_a_bad_one() -> None:
     assert "party" not in register_args("a", "g", None, None)
     with pytest.raises(ValueError, match="party must be a string of at most 256"):
         register_args("a", "g", None, None, party="x" * 257)
+
+
+def test_a_party_too_long_in_the_environment_is_refused_naming_the_variable() -> None:
+    with pytest.raises(ValueError, match=r"\$TIMESLICED_PARTY is 257 characters long; give a name of at most 256"):
+        member("a", "g", **NONE, environ={**RUN, "TIMESLICED_PARTY": "x" * 257})
+    assert member("a", "g", **NONE, environ={**RUN, "TIMESLICED_PARTY": "x" * 256}).party == "x" * 256

@@ -210,6 +210,7 @@ class AsyncClient(ShellBase):
                 writer, self._writer = self._writer, None
                 if writer is not None:
                     writer.close()  # the supervisor's read ends; it waits for the transport
+                self._rooms.lost(out.reason)  # never read again: its end would not tell the rooms
             elif isinstance(out, Answered):
                 if (future := self._waiters.pop(out.rid, None)) is not None and not future.done():
                     future.set_result(out.value)

@@ -32,7 +32,7 @@ from ..env import (
     read_token,
 )
 from ..util.parse import parse_host_port, parse_size
-from ..wire.messages import EVERY_GPU, PROTOCOL_VERSION
+from ..wire.messages import EVERY_GPU, MAX_PARTY, PROTOCOL_VERSION
 from ..wire.park import METHODS, ParkSpec
 from .gpus import node_gpus
 from .session import Unreachable
@@ -128,6 +128,8 @@ def member(
         )
     if party is None:
         party = env(PARTY_ENV) or process_party()
+        if len(party) > MAX_PARTY:
+            raise ValueError(f"${PARTY_ENV} is {len(party)} characters long; give a name of at most {MAX_PARTY}")
     if (env(JOB_ENV) or job, env(GROUP_ENV) or group) != (job, group):  # another job's settings: not ours
         environ = {}
     if gpus is None and (text := env(GPUS_ENV)) is not None:
@@ -259,8 +261,8 @@ def register_args(
     args: dict[str, Any] = {"job": job, "group": group, "gpus": gpus, "pids": sorted({os.getpid(), *(pids or [])})}
     if priority or weight != 1.0:  # the defaults go unsaid: older daemons take the args as before
         args.update(priority=priority, weight=float(weight))
-    if not isinstance(party, str) or len(party) > 256:
-        raise ValueError(f"party must be a string of at most 256 characters, not {party!r}")
+    if not isinstance(party, str) or len(party) > MAX_PARTY:
+        raise ValueError(f"party must be a string of at most {MAX_PARTY} characters, not {party!r}")
     if party:
         args["party"] = party
     if park is not None:

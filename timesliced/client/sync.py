@@ -292,18 +292,26 @@ class Client(ShellBase):
 
         Returns at once when there is no open connection or another caller reads it (the reader thread
         or that caller then answers ``future``), and when the connection goes (the reader thread reconnects).
+
+        The main thread never reads: Python runs signal handlers there, between any two steps, so a
+        ``KeyboardInterrupt`` (or a SIGTERM handler's ``SystemExit``) could land between the ``recv`` and the
+        core and lose what was read (other threads' answers, the daemon's pushes, half a frame). It waits
+        for the reader thread to answer instead, as every caller does while another one reads.
         """
-        with self._lock:
-            sock, conn, wakes = self._sock, self._sock_conn, self._wakes
-            if sock is None or wakes is None or self._caller_reading:
-                return
-            future.watch(wakes)  # before the look below: an answer set from now on wakes this thread
-            if future.settled:
-                future.watch(None)
-                return
-            self._caller_reading = True
-            wakes.watch(sock, False)  # the reader thread stays asleep when the answer comes
+        if threading.current_thread() is threading.main_thread():
+            return
+        taken = False  # this caller took the socket: the finally gives it back, whatever raised where
         try:
+            with self._lock:
+                sock, conn, wakes = self._sock, self._sock_conn, self._wakes
+                if sock is None or wakes is None or self._caller_reading:
+                    return
+                future.watch(wakes)  # before the look below: an answer set from now on wakes this thread
+                if future.settled:
+                    return
+                taken = True
+                self._caller_reading = True
+                wakes.watch(sock, False)  # the reader thread stays asleep when the answer comes
             poller = select.poll()
             poller.register(sock, select.POLLIN)
             poller.register(wakes.caller, select.POLLIN)
@@ -325,11 +333,12 @@ class Client(ShellBase):
         finally:
             with self._lock:
                 future.watch(None)
-                self._caller_reading = False
-                if self._sock is sock:
-                    wakes.watch(sock, True)  # the reader thread's again, for the pushes
-                else:
-                    wakes.wake(wakes.reader)  # left by the core: the reader thread closes it now
+                if taken and sock is not None and wakes is not None:  # both set before ``taken``
+                    self._caller_reading = False
+                    if self._sock is sock:
+                        wakes.watch(sock, True)  # the reader thread's again, for the pushes
+                    else:
+                        wakes.wake(wakes.reader)  # left by the core: the reader thread closes it now
 
     def _receive(self, sock: socket.socket, conn: int) -> list[tuple[_Answer | None, Output]]:
         """Under the lock: what the socket holds now into the core (its end too); the outputs for ``_dispatch``."""
@@ -374,6 +383,7 @@ class Client(ShellBase):
         for out in self._core.drain():
             if isinstance(out, Disconnect):
                 self._shutdown()
+                self._rooms.lost(out.reason)  # never read again: its end would not tell the rooms
             elif isinstance(out, (Answered, Failed)):
                 if (future := self._waiters.pop(out.rid, None)) is not None:
                     later.append((future, out))
@@ -484,7 +494,10 @@ class Client(ShellBase):
             with self._lock:
                 self._driving = False
                 self._wakes = None
-            self._step(self._core.close)
+            self._step(self._core.close)  # a caller reading the socket sees it shut, and leaves
+            end = time.monotonic() + JOIN_S
+            while self._caller_reading and time.monotonic() < end:
+                time.sleep(0.01)  # it polls these descriptors: closed under it, their numbers could be reused
         finally:
             if sock is not None:
                 sock.close()
@@ -607,7 +620,8 @@ class _Wakes:
     The counters are eventfds: a write wakes the poller with a plain wake-up (``wake_up_locked_poll`` in
     the kernel's fs/eventfd.c), where a pipe's is a "sync" one (``wake_up_interruptible_sync_poll``,
     fs/pipe.c) that runs the woken thread at once on the writer's CPU, ahead of the writer. Writes are
-    refused once closed, so a late wake never writes into a file descriptor number that was reused.
+    refused once closed, and so are reads, so a late wake or drain never touches a file descriptor number
+    that was reused.
     """
 
     def __init__(self) -> None:
@@ -645,12 +659,14 @@ class _Wakes:
             if not self._closed:
                 os.eventfd_write(fd, 1)
 
-    @staticmethod
-    def drain(fd: int) -> None:
-        try:
-            os.eventfd_read(fd)  # resets the counter to zero
-        except OSError:  # zero already (EAGAIN), or closed after a failure of the reader thread
-            pass
+    def drain(self, fd: int) -> None:
+        with self._guard:
+            if self._closed:
+                return  # its number may be another file's by now
+            try:
+                os.eventfd_read(fd)  # resets the counter to zero
+            except BlockingIOError:  # zero already (EAGAIN)
+                pass
 
     def close(self) -> None:
         with self._guard:

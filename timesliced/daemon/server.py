@@ -199,6 +199,7 @@ class ClientServer:
             server.close()
         for conn in list(self.connections.values()):
             conn.close()
+        await asyncio.sleep(0)  # a closed transport lets its socket go on the loop's next pass
         for server in self._servers:
             await server.wait_closed()
 

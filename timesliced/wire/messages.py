@@ -20,6 +20,7 @@ from typing import Any
 from ..errors import BadRequest, MalformedMessage, TimeslicedError, from_wire, to_wire
 
 PROTOCOL_VERSION = 1
+MAX_PARTY = 256  # characters of a registration's party
 MAX_REQUEST_ID = (1 << 63) - 1
 MAX_OP_CHARS = 64  # op names are short; a longer one is refused before any error message quotes it
 _QUOTE = reprlib.Repr()
@@ -130,9 +131,10 @@ MAX_GANG = 64  # members of one gang (``acquire``)
 def arg_party(args: dict[str, Any]) -> str:
     """``register``'s ``party``: who the session acts for (a process, or processes that work as one); "": none said."""
     value = args.get("party", "")
-    if not isinstance(value, str) or len(value) > 256:
+    if not isinstance(value, str) or len(value) > MAX_PARTY:
         raise BadRequest(
-            "argument 'party' must be a string of at most 256 characters (the client names its process by default)"
+            f"argument 'party' must be a string of at most {MAX_PARTY} characters "
+            "(the client names its process by default)"
         )
     return value
 
