@@ -180,6 +180,51 @@ def test_what_is_granted_never_exceeds_the_free_room_plus_what_was_freed() -> No
         assert r.handed <= sum(freed.values())
 
 
+def test_in_any_order_every_process_at_work_learns_the_end_and_no_rest_follows_a_cancel() -> None:
+    """The relay's calls in random order: registrations before and after progress, ends and failures."""
+    rng = random.Random(19)
+    for _ in range(300):
+        free = {0: rng.randrange(0, 3) * R}
+        r, sent = relay(free)
+        told: dict[int, list[dict[str, Any]]] = {}  # directive -> what reached it, in order
+        freed, at_work, failed = 0, set(), False
+        steps = ["rest", "cancel", "freed", "freed", "incoming", "incoming", "incoming", "left", "fail", "hold"]
+        for _ in range(rng.randrange(1, 12)):
+            step = rng.choice(steps)
+            if step == "incoming":
+                directive = len(told)
+                opening = r.incoming(directive, None if rng.random() < 0.3 else {0: rng.randrange(1, 4) * R})
+                told[directive] = [{"room": opening.room}] + ([opening.end] if opening.end else [])
+                at_work.add(directive)
+            elif step == "freed":
+                freed += R
+                r.freed({0: R})
+            elif step in ("left", "fail") and at_work:
+                directive = rng.choice(sorted(at_work))
+                at_work.discard(directive)
+                failed = failed or step == "fail"
+                r.left(directive, "copy failed" if step == "fail" else None)
+            elif step == "rest":
+                r.rest()
+            elif step == "cancel":
+                r.cancel("cut short")
+            elif step == "hold":
+                r.holding = True
+            for directive, data in sent:
+                told[directive].append(data)
+            sent.clear()
+        assert sum(g.get(0, 0) for g in r.granted.values()) <= free[0] + freed
+        for directive in at_work:  # whoever still maps was told how the relay ended
+            ends = [sorted(d) for d in told[directive] if "room" not in d]
+            if not r.ended:
+                assert ends == []
+            elif not r.cancelled:
+                assert ends == [["rest"]]
+            else:  # one cancel, last: perhaps after a rest, never before one
+                assert ends in ([["cancel"]], [["rest"], ["cancel"]])
+        assert not failed or r.cancelled  # a failed unpark calls the others off
+
+
 # --- the room (client side) ----------------------------------------------------------------------
 
 
@@ -205,6 +250,16 @@ def test_an_open_room_has_no_limit() -> None:
     room.open()
     room.take(3, 1 << 40)
     room.wait_open()
+
+
+def test_a_call_off_after_the_limit_was_lifted_stops_the_next_take() -> None:
+    room = Room()
+    room.open()
+    room.take(0, R)
+    room.end("another process of the unpark failed (copy failed)")  # the daemon's cancel after its rest
+    with pytest.raises(errors.BackendError, match="called off: another process") as caught:
+        room.take(0, R)
+    assert caught.value.details["cancelled"]
 
 
 def test_the_rooms_of_a_client_follow_its_pushes_and_end_with_its_connection() -> None:
@@ -523,23 +578,24 @@ def test_an_incoming_process_that_disconnects_calls_the_unpark_off_in_the_others
         directives, _a, _b, (backend, (out, in_)) = swap_setup(jobs)
         swap = asyncio.ensure_future(backend.swap(out, in_))
         await settle()
-        (park,), _, (u2,) = a.directives("park"), b1.directives("unpark"), b2.directives("unpark")
-        jobs["b"].remove(b1)  # the daemon forgets a closed connection in the step it closes
-        directives.connection_closed(b1.id)
-        # The park still runs, but process 2 need not wait for room: the unpark is undone anyway.
-        (cancel,) = b2.rooms()
-        assert cancel["directive"] == u2["directive"] and "connection closed" in cancel["cancel"]
+        (park,), (u1,), _ = a.directives("park"), b1.directives("unpark"), b2.directives("unpark")
+        jobs["b"].remove(b2)  # the daemon forgets a closed connection in the step it closes
+        directives.connection_closed(b2.id)
+        # The park still runs, but process 1 need not wait for room: the unpark is undone anyway.
+        (cancel,) = b1.rooms()
+        assert cancel["directive"] == u1["directive"] and "connection closed" in cancel["cancel"]
         directives.progressed(a, {"directive": park["directive"], "freed": {"0": R}}, {0})
         answer(directives, a, park, ok=True, nbytes=R, footprint={"0": R})
         await settle()
-        assert b2.rooms() == [cancel]  # neither room nor rest follows the call-off
-        answer(directives, b2, u2, ok=False, error=f"the streamed unpark was called off: {cancel['cancel']}")
+        assert b1.rooms() == [cancel]  # neither room nor rest follows the call-off
+        answer(directives, b1, u1, ok=False, error=f"the streamed unpark was called off: {cancel['cancel']}")
         await settle()
-        (repark,) = b2.directives("park")
-        answer(directives, b2, repark, ok=True, nbytes=0)
+        (repark,) = b1.directives("park")
+        answer(directives, b1, repark, ok=True, nbytes=0)
         result = await swap
         assert result.park.nbytes == R  # the park went on
-        # A process gone cannot say where its memory is: the job is faulted, and the error names why.
+        # A process gone cannot say where its memory is: the job is faulted, and the error names why
+        # (the failed process, not the first one, which was only called off).
         assert isinstance(result.restore, errors.BackendError) and not errors.state_intact(result.restore)
         assert "failed: the connection closed before it carried out the offload" in str(result.restore)
 
