@@ -30,7 +30,7 @@ def relay(free: dict[int, int] | None = None) -> tuple[Relay, list[tuple[int, di
 
 def test_the_free_room_goes_at_once_and_freed_room_as_it_comes() -> None:
     r, sent = relay({0: 2 * R})
-    assert r.incoming(7, {0: 4 * R}) == {0: 2 * R}
+    assert r.incoming(7, {0: 4 * R}).room == {0: 2 * R}
     assert r.handed == 0
     r.freed({0: R})
     assert sent == [(7, {"room": {"0": R}})] and r.handed == R
@@ -40,8 +40,8 @@ def test_the_free_room_goes_at_once_and_freed_room_as_it_comes() -> None:
 
 def test_room_goes_to_the_processes_in_order_each_up_to_its_need_and_per_gpu() -> None:
     r, sent = relay()
-    assert r.incoming(1, {0: R, 1: R}) == {}
-    assert r.incoming(2, {0: 2 * R}) == {}
+    assert r.incoming(1, {0: R, 1: R}).room == {}
+    assert r.incoming(2, {0: 2 * R}).room == {}
     r.freed({0: 2 * R, 1: R})
     assert sent == [(1, {"room": {"0": R, "1": R}}), (2, {"room": {"0": R}})]
     r.left(1)
@@ -51,7 +51,7 @@ def test_room_goes_to_the_processes_in_order_each_up_to_its_need_and_per_gpu() -
 
 def test_a_process_whose_need_is_unknown_takes_all_there_is() -> None:
     r, sent = relay({0: R})
-    assert r.incoming(1, None) == {0: R}
+    assert r.incoming(1, None).room == {0: R}
     r.freed({0: 5 * R})
     assert sent == [(1, {"room": {"0": 5 * R}})]
 
@@ -62,9 +62,93 @@ def test_rest_and_cancel_go_once_to_the_processes_still_at_work() -> None:
     r.incoming(2, {0: R})
     r.left(1)
     r.rest()
-    r.cancel("too late")
-    r.freed({0: R})  # after the end nothing more is relayed
+    r.rest()
+    r.freed({0: R})  # after the end no more room is relayed
     assert sent == [(2, {"rest": True})] and r.ended
+    r.cancel("cut short")  # a rest lifts the limit; a cancel still calls off what maps
+    r.cancel("again")
+    r.rest()  # and nothing lifts a cancel
+    assert sent[1:] == [(2, {"cancel": "cut short"})] and r.cancelled
+
+
+def test_a_rest_never_follows_a_cancel() -> None:
+    r, sent = relay()
+    r.incoming(1, {0: R})
+    r.cancel("the park failed")
+    r.rest()
+    assert sent == [(1, {"cancel": "the park failed"})]
+
+
+@pytest.mark.parametrize(
+    ("end", "opening"),
+    [
+        (lambda r: r.rest(), ({0: R}, {"rest": True})),  # the room there is, and no limit: a lone unpark
+        (lambda r: r.cancel("the park failed"), ({}, {"cancel": "the park failed"})),  # no room, the cancel
+        (lambda r: None, ({0: R}, None)),  # the relay runs on: room only
+    ],
+    ids=["rest", "cancel", "running"],
+)
+def test_an_unpark_told_after_the_relay_ended_gets_the_end_with_its_directive(end: Any, opening: Any) -> None:
+    r, sent = relay({0: R})
+    end(r)
+    got = r.incoming(1, {0: 4 * R})
+    assert (got.room, got.end) == opening
+    assert sent == []  # it goes with the directive, not before it
+    r.freed({0: R})
+    r.rest()
+    if opening[1] is not None:
+        assert sent == []  # nothing follows an end
+    else:
+        assert sent == [(1, {"room": {"0": R}}), (1, {"rest": True})]
+
+
+def test_room_freed_before_an_unpark_is_told_is_granted_as_it_is_told() -> None:
+    r, sent = relay({0: R})
+    r.freed({0: 2 * R})
+    assert r.incoming(1, {0: 2 * R}).room == {0: 2 * R} and r.handed == R  # free room first
+    assert r.incoming(2, None).room == {0: R} and r.handed == 2 * R
+    assert sent == []
+
+
+def test_an_unpark_told_while_the_park_is_held_back_gets_free_room_only() -> None:
+    r, sent = relay({0: R})
+    r.freed({0: R})  # nobody took it yet: an undo of the park re-maps into it
+    r.holding = True
+    assert r.incoming(1, None).room == {0: R} and r.handed == 0
+    assert sent == []
+
+
+def test_an_unpark_that_fails_in_one_process_is_called_off_in_the_others() -> None:
+    r, sent = relay()
+    for directive in (1, 2, 3):
+        r.incoming(directive, {0: R})
+    r.left(1)  # answered, fine
+    assert sent == [] and not r.ended
+    r.left(2, "the connection closed before it carried out the offload")
+    assert sent == [
+        (
+            3,
+            {
+                "cancel": "another process of the unpark failed (the connection closed before it "
+                "carried out the offload)"
+            },
+        )
+    ]
+    r.left(3, "the streamed unpark was called off: ...")  # its own answer calls nobody off again
+    assert len(sent) == 1
+
+
+def test_an_unpark_is_called_off_when_one_process_fails_even_after_the_limit_was_lifted() -> None:
+    r, sent = relay()
+    r.incoming(1, {0: R})
+    r.incoming(2, {0: R})
+    r.rest()
+    r.left(1, "copy failed")  # the unpark is undone anyway: process 2 need not map the rest
+    assert sent == [
+        (1, {"rest": True}),
+        (2, {"rest": True}),
+        (2, {"cancel": "another process of the unpark failed (copy failed)"}),
+    ]
 
 
 def test_room_freed_after_a_failed_park_is_held_back() -> None:
@@ -96,6 +180,51 @@ def test_what_is_granted_never_exceeds_the_free_room_plus_what_was_freed() -> No
         assert r.handed <= sum(freed.values())
 
 
+def test_in_any_order_every_process_at_work_learns_the_end_and_no_rest_follows_a_cancel() -> None:
+    """The relay's calls in random order: registrations before and after progress, ends and failures."""
+    rng = random.Random(19)
+    for _ in range(300):
+        free = {0: rng.randrange(0, 3) * R}
+        r, sent = relay(free)
+        told: dict[int, list[dict[str, Any]]] = {}  # directive -> what reached it, in order
+        freed, at_work, failed = 0, set(), False
+        steps = ["rest", "cancel", "freed", "freed", "incoming", "incoming", "incoming", "left", "fail", "hold"]
+        for _ in range(rng.randrange(1, 12)):
+            step = rng.choice(steps)
+            if step == "incoming":
+                directive = len(told)
+                opening = r.incoming(directive, None if rng.random() < 0.3 else {0: rng.randrange(1, 4) * R})
+                told[directive] = [{"room": opening.room}] + ([opening.end] if opening.end else [])
+                at_work.add(directive)
+            elif step == "freed":
+                freed += R
+                r.freed({0: R})
+            elif step in ("left", "fail") and at_work:
+                directive = rng.choice(sorted(at_work))
+                at_work.discard(directive)
+                failed = failed or step == "fail"
+                r.left(directive, "copy failed" if step == "fail" else None)
+            elif step == "rest":
+                r.rest()
+            elif step == "cancel":
+                r.cancel("cut short")
+            elif step == "hold":
+                r.holding = True
+            for directive, data in sent:
+                told[directive].append(data)
+            sent.clear()
+        assert sum(g.get(0, 0) for g in r.granted.values()) <= free[0] + freed
+        for directive in at_work:  # whoever still maps was told how the relay ended
+            ends = [sorted(d) for d in told[directive] if "room" not in d]
+            if not r.ended:
+                assert ends == []
+            elif not r.cancelled:
+                assert ends == [["rest"]]
+            else:  # one cancel, last: perhaps after a rest, never before one
+                assert ends in ([["cancel"]], [["rest"], ["cancel"]])
+        assert not failed or r.cancelled  # a failed unpark calls the others off
+
+
 # --- the room (client side) ----------------------------------------------------------------------
 
 
@@ -121,6 +250,16 @@ def test_an_open_room_has_no_limit() -> None:
     room.open()
     room.take(3, 1 << 40)
     room.wait_open()
+
+
+def test_a_call_off_after_the_limit_was_lifted_stops_the_next_take() -> None:
+    room = Room()
+    room.open()
+    room.take(0, R)
+    room.end("another process of the unpark failed (copy failed)")  # the daemon's cancel after its rest
+    with pytest.raises(errors.BackendError, match="called off: another process") as caught:
+        room.take(0, R)
+    assert caught.value.details["cancelled"]
 
 
 def test_the_rooms_of_a_client_follow_its_pushes_and_end_with_its_connection() -> None:
@@ -269,15 +408,18 @@ class Conn:
         return [d for e, d in self.pushed if e == "offload_room"]
 
 
-def swap_setup() -> tuple[Any, Conn, Conn, Any]:
+def swap_setup(jobs: dict[str, list[Conn]] | None = None, direct: Any = None) -> tuple[Any, Conn, Conn, Any]:
+    """Job ``a`` swapped out for ``b``; ``jobs``: each job's connections (read at each directive, as
+    the daemon does); ``direct(directives)``: the backend's directives instead of the daemon's."""
     from timesliced.backends.base import JobTarget
     from timesliced.backends.offload import OffloadBackend
     from timesliced.daemon.directives import Directives
     from timesliced.wire.park import ParkSpec
 
     a, b = Conn(1), Conn(2)
-    directives = Directives(lambda job: {"a": [a], "b": [b]}[job])
-    backend = OffloadBackend(directives.direct)
+    conns = jobs if jobs is not None else {"a": [a], "b": [b]}
+    directives = Directives(lambda job: list(conns[job]))
+    backend = OffloadBackend(directives.direct if direct is None else direct(directives))
     spec = ParkSpec("offload")
     targets = (JobTarget("a", (0,), (), spec), JobTarget("b", (0,), (), spec))
     return directives, a, b, (backend, targets)
@@ -374,5 +516,87 @@ def test_a_swap_cut_short_calls_the_unpark_off() -> None:
         with pytest.raises(asyncio.CancelledError):
             await swap
         assert b.rooms() == [{"directive": unpark["directive"], "cancel": "the swap was cut short"}]
+
+    asyncio.run(body())
+
+
+# --- the order of the two halves never matters ---------------------------------------------------
+
+
+def test_a_swap_whose_outgoing_job_has_no_connection_lifts_the_unpark_limit_at_once() -> None:
+    """The park fails before the unpark is told; the unpark still learns the limit is gone."""
+
+    async def body() -> None:
+        b = Conn(2)
+        directives, _a, _b, (backend, (out, in_)) = swap_setup({"a": [], "b": [b]})
+        swap = asyncio.ensure_future(backend.swap(out, in_))
+        await settle()
+        (unpark,) = b.directives("unpark")
+        assert unpark["room"] == {}  # no free room read (simulated GPU): it may map nothing by room alone
+        assert b.rooms() == [{"directive": unpark["directive"], "rest": True}]  # right after its directive
+        assert b.pushed[0][0] == "offload"  # the client opens the room on the directive, then lifts it
+        answer(directives, b, unpark, ok=True, nbytes=2 * R, footprint={"0": 2 * R})
+        result = await swap
+        assert isinstance(result.park, errors.BackendError) and not errors.state_intact(result.park)
+        assert "no connection" in str(result.park)
+        assert result.restore.nbytes == 2 * R  # the intact job came in
+
+    asyncio.run(body())
+
+
+def test_a_park_refused_before_the_unpark_is_told_calls_the_unpark_off_with_its_directive() -> None:
+    def direct(directives: Any) -> Any:
+        async def refusing(job: str, action: str, args: dict[str, Any], *, relay: Relay | None = None) -> Any:
+            if job == "a" and action == "park" and relay is not None:
+                raise errors.ParkRefused("job 'a' is in a phase that cannot park; the daemon retries later")
+            return await directives.direct(job, action, args, relay=relay)
+
+        return refusing
+
+    async def body() -> None:
+        directives, _a, b, (backend, (out, in_)) = swap_setup(direct=direct)
+        swap = asyncio.ensure_future(backend.swap(out, in_))
+        await settle()
+        (unpark,) = b.directives("unpark")
+        ((_, cancel),) = [(d, c) for d, c in b.pushed if d == "offload_room"]
+        assert cancel["directive"] == unpark["directive"] and "cannot park" in cancel["cancel"]
+        answer(directives, b, unpark, ok=False, error=f"the streamed unpark was called off: {cancel['cancel']}")
+        await settle()
+        (repark,) = b.directives("park")  # the restore's undo
+        answer(directives, b, repark, ok=True, nbytes=0)
+        result = await swap
+        assert isinstance(result.park, errors.ParkRefused) and isinstance(result.restore, errors.RestoreRefused)
+        assert "could not be parked" in str(result.restore)
+
+    asyncio.run(body())
+
+
+def test_an_incoming_process_that_disconnects_calls_the_unpark_off_in_the_others_at_once() -> None:
+    async def body() -> None:
+        a, b1, b2 = Conn(1), Conn(2), Conn(3)
+        jobs = {"a": [a], "b": [b1, b2]}
+        directives, _a, _b, (backend, (out, in_)) = swap_setup(jobs)
+        swap = asyncio.ensure_future(backend.swap(out, in_))
+        await settle()
+        (park,), (u1,), _ = a.directives("park"), b1.directives("unpark"), b2.directives("unpark")
+        jobs["b"].remove(b2)  # the daemon forgets a closed connection in the step it closes
+        directives.connection_closed(b2.id)
+        # The park still runs, but process 1 need not wait for room: the unpark is undone anyway.
+        (cancel,) = b1.rooms()
+        assert cancel["directive"] == u1["directive"] and "connection closed" in cancel["cancel"]
+        directives.progressed(a, {"directive": park["directive"], "freed": {"0": R}}, {0})
+        answer(directives, a, park, ok=True, nbytes=R, footprint={"0": R})
+        await settle()
+        assert b1.rooms() == [cancel]  # neither room nor rest follows the call-off
+        answer(directives, b1, u1, ok=False, error=f"the streamed unpark was called off: {cancel['cancel']}")
+        await settle()
+        (repark,) = b1.directives("park")
+        answer(directives, b1, repark, ok=True, nbytes=0)
+        result = await swap
+        assert result.park.nbytes == R  # the park went on
+        # A process gone cannot say where its memory is: the job is faulted, and the error names why
+        # (the failed process, not the first one, which was only called off).
+        assert isinstance(result.restore, errors.BackendError) and not errors.state_intact(result.restore)
+        assert "failed: the connection closed before it carried out the offload" in str(result.restore)
 
     asyncio.run(body())

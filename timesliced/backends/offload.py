@@ -30,12 +30,17 @@ Failures follow the simulated GPU's swap:
   failed) it is faulted (``BackendError``) and the unpark goes on without a limit, as a lone restore
   after a failed park would: it maps what the device has, or fails with every region still parked;
 - the unpark fails (or a process of it closes its connection): the park goes on; the unpark is
-  called off in the incoming job's other processes and undone as a lone restore's;
+  called off at once in the incoming job's other processes (even after the limit was lifted) and
+  undone as a lone restore's;
 - the swap is cut short (``--op-timeout``, the daemon stopping): the unpark is called off; the
   daemon's timeout faults both jobs, as for a lone move;
 - the daemon dies: every client ends the unparks waiting for room when its connection drops (their
   regions stay parked), the parks run on in the clients, and a restarted daemon takes both jobs up
   as parked (``daemon/recovery.py``); the next restore unparks what is parked and skips the rest.
+
+These hold in whatever order the two halves move: a park that ends before the unpark is told (its
+job has no connection, say) leaves the relay ended, and an unpark told after that gets the end with
+its directive (the limit lifted, or the call-off), as if it had been told first.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .. import errors
@@ -58,6 +64,18 @@ UNDO_TIMEOUT_S = 120.0
 Push = Callable[[int, dict[str, Any]], None]
 
 
+@dataclass(frozen=True)
+class Opening:
+    """What an incoming directive is sent as it registers: the room it may map at once, and the relay's end.
+
+    ``end`` is None while the relay runs; once it ended it is the end's data (``{"rest": True}`` or
+    ``{"cancel": reason}``), to push as ``offload_room`` right after the directive itself.
+    """
+
+    room: dict[int, int]
+    end: dict[str, Any] | None = None
+
+
 class Relay:
     """One swap's device room, relayed from the outgoing job's processes to the incoming job's.
 
@@ -68,6 +86,12 @@ class Relay:
     order the processes were told, each up to its need, free room first; ``handed`` counts the
     bytes of freed room granted on (once it is above 0 the park can no longer be undone).
     Invariant: per GPU, what was granted never exceeds the free room plus what was freed.
+
+    The order of the calls never matters: what was freed before a process registered is granted
+    as it registers, and the relay's end (``rest``, ``cancel``) reaches a process that registers
+    after it, in its :class:`Opening`. ``rest`` lifts the limit and ``cancel`` calls the unpark
+    off; a cancel still goes out after a rest (the unpark failed in one process, or the swap was
+    cut short, while the others map), a rest after a cancel never does.
     """
 
     def __init__(self, free: Mapping[int, int]) -> None:
@@ -75,21 +99,38 @@ class Relay:
         self._freed: dict[int, int] = {}  # gpu -> freed room not granted yet
         self._needs: dict[int, dict[int, int] | None] = {}  # incoming directive -> its need left per gpu
         self._push: Push | None = None
+        self._end: dict[str, Any] | None = None  # {"rest": True} or {"cancel": reason} once ended
         self.free_room = dict(self._free)
         self.handed = 0
         self.freed_total = 0
         self.granted: dict[int, dict[int, int]] = {}  # incoming directive -> gpu -> bytes granted
-        self.ended = False  # the limit lifted or the unpark called off: nothing more is relayed
-        self.holding = False  # the park failed: what it frees from now on is not passed on
+        self.holding = False  # the park failed: freed room (what it freed so far, and from now on) is not passed on
+
+    @property
+    def ended(self) -> bool:
+        """The limit lifted or the unpark called off: no more room is relayed."""
+        return self._end is not None
+
+    @property
+    def cancelled(self) -> bool:
+        """The unpark was called off: nothing more is sent, and a process told from now on gets only the cancel."""
+        return self._end is not None and "cancel" in self._end
 
     def attach(self, push: Push) -> None:
         self._push = push
 
-    def incoming(self, directive: int, need: Mapping[int, int] | None) -> dict[int, int]:
-        """Register an incoming process's directive; returns the room it may map at once."""
-        self._needs[directive] = None if need is None else {int(g): int(n) for g, n in need.items()}
+    def incoming(self, directive: int, need: Mapping[int, int] | None) -> Opening:
+        """Register an incoming process's directive; returns what to send it with the directive (:class:`Opening`).
+
+        After a ``cancel`` it gets no room, only the cancel; after a ``rest``, the room there is
+        and the rest, so it maps as a lone unpark would.
+        """
         self.granted[directive] = {}
-        return self._grant(directive)
+        if self.cancelled:
+            return Opening({}, dict(self._end or {}))
+        self._needs[directive] = None if need is None else {int(g): int(n) for g, n in need.items()}
+        room = self._grant(directive)
+        return Opening(room, None if self._end is None else dict(self._end))
 
     def freed(self, gpus: Mapping[int, int]) -> None:
         """An outgoing process freed ``gpus`` (gpu -> bytes): pass it on to those who need it."""
@@ -103,22 +144,27 @@ class Relay:
             if more:
                 self._send(directive, {"room": {str(g): n for g, n in more.items()}})
 
-    def left(self, directive: int) -> None:
-        """An incoming process answered: it maps nothing more."""
+    def left(self, directive: int, error: str | None = None) -> None:
+        """An incoming process answered (``error``: it failed, or its connection closed): it maps nothing more.
+
+        A failed one calls the unpark off in the others still at work: it is undone anyway.
+        """
         self._needs.pop(directive, None)
+        if error is not None:
+            self.cancel(f"another process of the unpark failed ({error})")
 
     def rest(self) -> None:
-        """The park ended: every incoming process still at work may map all it needs."""
-        self._end({"rest": True})
+        """The park ended: every incoming process still at work may map all it needs (none, once cancelled)."""
+        if self._end is None:
+            self._ending({"rest": True})
 
     def cancel(self, reason: str) -> None:
         """Call off the unpark in every incoming process still at work (each puts its regions back as parked)."""
-        self._end({"cancel": reason})
+        if not self.cancelled:
+            self._ending({"cancel": reason})
 
-    def _end(self, data: dict[str, Any]) -> None:
-        if self.ended:
-            return
-        self.ended = True
+    def _ending(self, data: dict[str, Any]) -> None:
+        self._end = data
         for directive in list(self._needs):
             self._send(directive, data)
 
@@ -126,9 +172,12 @@ class Relay:
         need = self._needs[directive]
         granted = self.granted[directive]
         more: dict[int, int] = {}
+        # While the park is held back its freed room is not passed on, not even to a process that
+        # registers now: the undo of a park nobody took room from re-maps into it.
+        pools = ((self._free, False),) if self.holding else ((self._free, False), (self._freed, True))
         for gpu in sorted(set(self._free) | set(self._freed)):
             want = None if need is None else need.get(gpu, 0) - granted.get(gpu, 0)
-            for pool, handed in ((self._free, False), (self._freed, True)):
+            for pool, handed in pools:
                 have = pool.get(gpu, 0)
                 n = have if want is None else min(have, want - more.get(gpu, 0))
                 if n <= 0:
@@ -293,14 +342,16 @@ class OffloadBackend:
         failed = [a for a in answers if not a.get("ok")]
         if not failed:
             return self._result(answers, started)
-        relay.cancel(f"another process of job {in_.name!r} could not unpark")  # the others stop waiting
-        if park_failed and any("called off" in str(a.get("error")) for a in failed):
+        relay.cancel(f"another process of job {in_.name!r} could not unpark")  # the others were told already
+        # A process called off because another one failed says so; the one that failed says why.
+        first = next((a for a in failed if "called off" not in str(a.get("error"))), None)
+        if park_failed and first is None:
             what = (
                 f"offload unpark of job {in_.name!r} was called off: job {out!r}, whose room it streams into, "
                 f"could not be parked ({park_failed[0]})"
             )
         else:
-            what = f"offload unpark of job {in_.name!r} failed: {failed[0].get('error')}"
+            what = f"offload unpark of job {in_.name!r} failed: {(first or failed[0]).get('error')}"
         problem = await self._undo(in_, "park", args, len(answers))
         if problem is not None:
             raise errors.BackendError(

@@ -8,8 +8,9 @@ answers into the move's result.
 A swap's directives carry a ``Relay`` (``backends/offload.py``): a park is sent with ``stream`` and
 each ``offload_progress`` it reports (a region freed) goes into the relay; an unpark is sent with
 the ``room`` the relay grants it at once, and every later grant, the limit's end (``rest``) or a
-call-off (``cancel``) goes to its connection as ``offload_room``. What each connection needs per GPU
-is its latest answer's footprint (its job's memory there when resident).
+call-off (``cancel``) goes to its connection as ``offload_room``; an unpark told after the relay
+ended gets that end right after its directive. What each connection needs per GPU is its latest
+answer's footprint (its job's memory there when resident).
 """
 
 from __future__ import annotations
@@ -60,14 +61,18 @@ class Directives:
             answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
             self._waiting[directive] = (conn, answer)
             extra: dict[str, Any] = {}
+            end: dict[str, Any] | None = None
             if relay is not None:
                 self._relays[directive] = (relay, action == "park")
                 if action == "park":
                     extra["stream"] = True
                 else:
-                    room = relay.incoming(directive, self._footprints.get(conn.id))
-                    extra["room"] = {str(g): n for g, n in room.items()}
+                    opening = relay.incoming(directive, self._footprints.get(conn.id))
+                    extra["room"] = {str(g): n for g, n in opening.room.items()}
+                    end = opening.end
             conn.push("offload", {"directive": directive, "action": action, **args, **extra})
+            if end is not None:  # the relay ended before this unpark was told (the park could not start, say)
+                conn.push("offload_room", {"directive": directive, **end})
             answers.append((directive, answer))
         try:
             return list(await asyncio.gather(*(a for _, a in answers)))
@@ -115,8 +120,8 @@ class Directives:
         if entry is None or entry[1].done():
             return
         relay = self._relays.get(directive)
-        if relay is not None and not relay[1]:
-            relay[0].left(directive)
+        if relay is not None and not relay[1]:  # an unpark that failed calls the others off
+            relay[0].left(directive, None if answer["ok"] else str(answer.get("error")))
         entry[1].set_result(answer)
 
     def _push_room(self, directive: int, data: dict[str, Any]) -> None:
