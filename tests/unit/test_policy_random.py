@@ -5,8 +5,10 @@ that arrived after ``t + W``, and after ``t + W`` at most ``N - 1`` grants of it
 its own (``N`` jobs). Gangs: members are granted in one step or not at all, and once arrivals stop
 and holders keep releasing, every waiter, gang or single, is granted (no deadlock), also when
 parties hold one group while they ask for another, and when a party always holds one of a
-gang's groups (it is refused a second pass, ``GangWaiting``, rather than starve the gang). The
-harness checks ``check_invariants(now)`` after every input.
+gang's groups (it is refused a second pass, ``GangWaiting``, rather than starve the gang).
+Kept turns (``--anticipate``) under each policy: every waiter, not only the policy's choice, is
+passed by at most one kept turn per wait. The harness checks ``check_invariants(now)`` after
+every input.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from hypothesis import strategies as st
 from timesliced import errors
 from timesliced.core.arbiter import Arbiter
 from timesliced.core.events import FailRequest, GrantLock
-from timesliced.core.model import Gang
+from timesliced.core.model import Gang, Group, Job
 from timesliced.core.policy import QueuePolicy, Standing
 
 from ..helpers.harness import Harness
+from ..helpers.turns import check_turns
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -118,6 +121,51 @@ def test_the_bound_check_can_fail() -> None:
         check_bound(Lying("priority", aging_s=1000.0), data, jobs=3)
 
     with pytest.raises(AssertionError, match=r"passed|past its bound"):
+        run()
+
+
+KEPT_POLICIES = [QueuePolicy("priority", aging_s=1000.0), QueuePolicy("fair", aging_s=5.0)]
+# About 1 example in 20 has a waiter come, and be chosen, after one a kept turn passed: enough to
+# find the case nearly always (the examples are cheap).
+KEPT_SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", KEPT_POLICIES, ids=lambda p: p.name)
+@KEPT_SETTINGS
+@given(data=st.data())
+def test_every_waiter_is_passed_by_at_most_one_kept_turn_per_wait(policy: QueuePolicy, data: st.DataObject) -> None:
+    """The policy may choose a waiter that came after one a kept turn passed: no turn is kept before
+    the first one is granted (``Arbiter.anticipate``)."""
+    check_turns(data, policy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", KEPT_POLICIES, ids=lambda p: p.name)
+def test_the_kept_turn_check_sees_a_waiter_passed_twice(policy: QueuePolicy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Were only the policy's choice looked at for a mark (as before), a waiter chosen later would let
+    another turn be kept, and the check counts every waiter: it fails."""
+    anticipate = Arbiter.anticipate
+
+    def choice_only(self: Arbiter, group: Group, job: Job, now: float) -> None:
+        chosen = self.next_waiter(group)
+        hidden = [w for w in group.queue if w.delayed and w is not chosen]
+        for w in hidden:
+            w.delayed = False
+        try:
+            anticipate(self, group, job, now)
+        finally:
+            for w in hidden:
+                w.delayed = True
+
+    monkeypatch.setattr(Arbiter, "anticipate", choice_only)
+
+    @settings(max_examples=300, deadline=None, database=None, report_multiple_bugs=False, phases=[Phase.generate])
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        check_turns(data, policy)
+
+    with pytest.raises(AssertionError, match="kept waiting twice"):
         run()
 
 

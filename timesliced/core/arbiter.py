@@ -194,16 +194,20 @@ class Arbiter:
     def anticipate(self, group: Group, job: Job, now: float) -> None:
         """``job`` just yielded ``group``: keep its turn if it will be back before a switch would pay.
 
-        Only when the group's next waiter needs ``job`` parked, has not been kept waiting so in this
-        wait, and no gang waits in the group (``core/anticipation.py``). The decision is told to
-        ``job`` as a ``policy`` notice (the event log has it).
+        Only when the group's next waiter needs ``job`` parked, no waiter that asks has been kept
+        waiting so in its wait (``Waiter.delayed``: the policy's choice may be a waiter that came
+        since, and the one passed before would be passed again), and no gang waits in the group
+        (``core/anticipation.py``). The decision is told to ``job`` as a ``policy`` notice (the
+        event log has it).
         """
         if self._anticipate_s <= 0 or group.draining or group.name in self.frozen():
             return
-        if not self._queues.others_wait(group) or any(w.gang is not None for w in group.queue):
+        if not self._queues.others_wait(group):
+            return
+        if any(w.gang is not None or (w.delayed and w.tickets) for w in group.queue):
             return
         head = self.next_waiter(group)
-        if head is None or not head.tickets or head.delayed:
+        if head is None or not head.tickets:
             return
         incoming = self._registry.jobs[head.job]
         if incoming.location is not Location.RESIDENT and incoming.location is not Location.PARKED:
