@@ -139,6 +139,12 @@ class AcquireCancelled(TimeslicedError):
     code = "acquire_cancelled"
 
 
+class GangWaiting(TimeslicedError):
+    """A party that went before a waiting gang, and has held one of its groups since, asked to go before it again."""
+
+    code = "gang_waiting"
+
+
 class JobFaulted(TimeslicedError):
     """The job's GPU state is damaged or unknown after a failed move; it is faulted until an operator resumes it."""
 

@@ -148,6 +148,42 @@ def test_a_process_that_holds_the_trainers_gets_the_samplers_before_a_gang(daemo
         assert sorted(got) == ["samplers", "trainers"]
 
 
+def test_a_process_that_hands_its_pools_over_is_refused_a_second_pass(daemon: EmbeddedDaemon) -> None:
+    """The hand-off of one process: it holds the samplers' pool (got before the gang) and asks for the
+    trainers' again. Passing the gang a second time while it holds one of its pools would starve the
+    gang, so the acquire fails at once with ``GangWaiting``; once the process lets go, the gang goes."""
+    sock = str(daemon.socket)
+    with (
+        timesliced.Client("trainer", "trainers", address=sock, gpus=[0]) as trainer,
+        timesliced.Client("sampler", "samplers", address=sock, gpus=[1]) as sampler,
+        timesliced.Client("gt", "trainers", address=sock, gpus=[0], party="other-run") as gt,
+        timesliced.Client("gs", "samplers", address=sock, gpus=[1], party="other-run") as gs,
+    ):
+        trainer.acquire()
+        got: list[Any] = []
+
+        def other_run() -> None:
+            with timesliced.gang(gt, gs, timeout=20.0) as grants:
+                got.extend(g.group for g in grants)
+
+        t = threading.Thread(target=other_run)
+        t.start()
+        wait_for(lambda: "gang" in (group(trainer, "samplers")["waiting_for"] or ""))
+        sampler.acquire(timeout=10.0)  # the first pass
+        trainer.release()
+        wait_for(lambda: "gang" in (group(trainer, "trainers")["waiting_for"] or ""))
+        with pytest.raises(timesliced.GangWaiting, match="Release group 'samplers'") as refused:
+            trainer.acquire(timeout=10.0)
+        assert refused.value.code == "gang_waiting" and refused.value.details["gang_groups"] == ["samplers", "trainers"]
+        assert not trainer.lock.holding and sampler.lock.holding
+        assert daemon.daemon is not None
+        logged = [e for e in daemon.daemon.history.events if e.kind == "policy" and e.job == "trainer"]
+        assert len(logged) == 1 and "went before this gang once already" in logged[0].detail
+        sampler.release()
+        t.join(20)
+        assert sorted(got) == ["samplers", "trainers"]
+
+
 def test_a_party_is_refused_at_the_boundary(daemon: EmbeddedDaemon) -> None:
     with pytest.raises(ValueError, match="party"):
         timesliced.Client("p", "g", address=str(daemon.socket), party="x" * 300)

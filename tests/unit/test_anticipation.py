@@ -8,40 +8,22 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from timesliced.core.events import GrantLock, MemoryRequested, NotifyJob, RestoreJob, SnapshotJob
+from timesliced.core.events import GrantLock, MemoryRequested, SnapshotJob
 from timesliced.core.model import Waiter
+from timesliced.core.policy import QueuePolicy
 from timesliced.core.scheduler import Scheduler
 
 from ..helpers.harness import Harness, only
+from ..helpers.turns import MOVE_S, anticipating, check_turns, kept, settle
 
-MOVE_S = 0.5  # every move takes this long: a switch away and back costs 2 x (0.5 + 0.5) = 2 s
 GAP_S = 0.1  # A's own time off the GPU between its phases, after the switch (1 s): gaps of 1.1 s
 
 
-def harness(anticipate_s: float = 5.0, capacity: int = 100) -> Harness:
-    h = Harness({0: capacity})
-    h.s = Scheduler({0: capacity}, anticipate_s=anticipate_s)
-    return h
-
-
-def settle(h: Harness) -> list[Any]:
-    """Carry out every move the scheduler asks for, each taking ``MOVE_S``; the effects seen."""
-    seen: list[Any] = []
-    while effects := h.drain():
-        seen += effects
-        for e in effects:
-            if isinstance(e, (SnapshotJob, RestoreJob)):
-                h.advance(MOVE_S)
-                h.finish(e)
-    return seen
+harness = anticipating
 
 
 def grants(effects: list[Any]) -> list[str]:
     return [e.job for e in only(effects, GrantLock) if not e.again]
-
-
-def kept(effects: list[Any]) -> list[NotifyJob]:
-    return [e for e in only(effects, NotifyJob) if e.event == "policy" and "kept_s" in e.data]
 
 
 def two_jobs(h: Harness, nbytes: int = 60) -> dict[str, int]:
@@ -152,60 +134,46 @@ def test_a_kept_holder_may_ask_as_a_gang_member() -> None:
     assert sorted(grants(settle(h))) == ["A", "S"]
 
 
-def check_turns(data: st.DataObject) -> int:
-    """Random turns of three jobs that cannot share the GPU: a kept turn passes each waiter at most
-    once per wait, the invariants hold after every input (the harness checks), and once arrivals stop
-    everyone is granted. Returns how many turns were kept."""
-    h = harness(anticipate_s=data.draw(st.sampled_from([0.3, 5.0]), label="anticipate"))
-    keeps = 0
-    s = {j: h.register(j, "g", (0,)) for j in "ABC"}
+def test_under_priority_a_waiter_passed_by_a_kept_turn_is_not_passed_by_another() -> None:
+    """B is passed by A's kept turn; C, of a higher priority, asks while A holds again, so A's next
+    yield finds the policy's choice C unmarked: yet B, passed once in this wait, still waits, so no
+    turn is kept and A is switched out."""
+    h = anticipating(policy=QueuePolicy("priority", aging_s=1000.0))
+    s = {"A": h.register("A", "g", (0,)), "B": h.register("B", "g", (0,)), "C": h.register("C", "g", (0,), priority=1)}
     for job in s:
         h.acquire(s[job])
         settle(h)
-        h.handle(MemoryRequested(s[job], h.rid(), 0, 60))
+        h.handle(MemoryRequested(s[job], h.rid(), 0, 60))  # 60 + 60 > 100: every hand-off parks
         h.release(s[job])
         settle(h)
-    waiting: dict[str, int] = {}  # job -> how often a kept turn passed it in this wait
-    holding: set[str] = set()
-
-    def observe(effects: list[Any]) -> None:
-        nonlocal keeps
-        for e in kept(effects):
-            keeps += 1
-            passed = str(e.data["passed"])
-            waiting[passed] += 1
-            assert waiting[passed] <= 1, f"{passed} was kept waiting twice in one wait"
-        for job in grants(effects):
-            holding.add(job)
-            waiting.pop(job, None)
-
-    for _ in range(data.draw(st.integers(10, 60), label="steps")):
-        action = data.draw(st.sampled_from(["acquire", "release", "time"]), label="action")
-        idle = sorted(j for j in s if j not in waiting and j not in holding)
-        if action == "acquire" and idle:
-            job = data.draw(st.sampled_from(idle), label="who")
-            waiting[job] = 0
-            h.acquire(s[job])
-        elif action == "release" and holding:
-            job = data.draw(st.sampled_from(sorted(holding)), label="releases")
-            holding.discard(job)
-            h.release(s[job])
-        else:
-            h.advance(data.draw(st.sampled_from([0.05, 0.2, 1.0]), label="dt"))
-            h.timers()
-        observe(settle(h))
-    for _ in range(50):  # arrivals stop: holders release, kept turns lapse
-        for job in sorted(holding):
-            holding.discard(job)
-            h.release(s[job])
-        observe(settle(h))
+    keep_s, h.s.arbiter._anticipate_s = h.s.arbiter._anticipate_s, 0.0
+    h.acquire(s["A"])
+    settle(h)
+    for other in ("B", "C", "B", "C"):  # A's gaps and everyone's move times measured, nothing kept
+        h.acquire(s[other])
         h.advance(1.0)
-        h.timers()
-        observe(settle(h))
-        if not waiting and not holding:
-            break
-    assert not waiting and not holding, (waiting, holding, h.queue())
-    return keeps
+        h.release(s["A"])
+        settle(h)
+        h.advance(GAP_S)
+        h.acquire(s["A"])
+        h.advance(1.0)
+        h.release(s[other])
+        settle(h)
+    h.s.arbiter._anticipate_s = keep_s
+    assert h.holder() == "A"
+    h.acquire(s["B"])
+    h.advance(1.0)
+    h.release(s["A"])
+    assert [e.data["passed"] for e in kept(settle(h))] == ["B"]
+    h.advance(GAP_S)
+    h.acquire(s["A"])
+    assert grants(settle(h)) == ["A"]  # back within the window
+    h.acquire(s["C"])
+    h.advance(1.0)
+    h.release(s["A"])
+    effects = settle(h)
+    assert kept(effects) == [] and [e.job for e in only(effects, SnapshotJob)] == ["A"]
+    assert grants(effects) == ["C"] and h.queue() == ["B"]  # C by priority; B next, passed by one kept turn
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from timesliced import errors
 from timesliced.core.events import AcquireRequested, FailRequest, GrantLock, NotifyJob, RestoreJob, SnapshotJob
 from timesliced.core.policy import QueuePolicy
 
-from ..helpers.harness import Harness
+from ..helpers.harness import Harness, only
 
 Make = Callable[..., Harness]
 FOUR = {0: 100, 1: 100, 2: 100, 3: 100}
@@ -278,3 +278,173 @@ def test_a_party_that_let_its_group_go_no_longer_passes(harness: Make) -> None:
     assert set(h.s.registry.parties) == {s["ps"]}
     h.acquire(s["ps"])
     assert h.holder("s") == "gs" and h.drain() == []
+
+
+def refusals(effects: list[object]) -> list[FailRequest]:
+    return [e for e in effects if isinstance(e, FailRequest)]
+
+
+def test_a_party_passes_a_gang_once_per_wait_and_is_refused_the_second_time(harness: Make) -> None:
+    """Party P holds ``t``, asks ``s`` (it passes the gang), lets ``t`` go and asks ``t`` while it holds
+    ``s``: that second pass in one wait of the gang would let it pass for ever (it always holds one of
+    the gang's groups), and behind the gang it would deadlock, so it is refused at once."""
+    h, s = crossing(harness)
+    h.acquire(s["ps"])
+    assert grants(h) == {"s": "ps"}  # the first pass
+    assert h.s.queues.gangs["G"].passes == {"P": ("s", h.s.queues.gangs["G"].passes["P"][1])}
+    h.release(s["pt"])
+    assert h.holder("t") is None and h.drain() == []  # the gang takes free ``t`` and waits for ``s``
+    h.acquire(s["pt"])
+    effects = h.drain()
+    (failed,) = refusals(effects)
+    assert h.s.sessions[failed.ticket[0]] == "pt" and isinstance(failed.error, errors.GangWaiting)
+    message = failed.error.message
+    for named in ("'pt'", "group 't'", "holds group 's'", "gang 'G'", "groups s, t", "Release group 's'", "gang("):
+        assert named in message, (named, message)
+    assert failed.error.code == "gang_waiting" and failed.error.details["gang_groups"] == ["s", "t"]
+    (notice,) = [e for e in effects if isinstance(e, NotifyJob) and e.event == "policy"]
+    assert (notice.job, notice.data["refused"], notice.data["gang"], notice.data["passed"]) == (
+        "pt",
+        "gang_waiting",
+        "G",
+        "gt",
+    )
+    assert h.queue("t") == ["gt"] and not [e for e in effects if isinstance(e, GrantLock)]
+    h.release(s["ps"])  # the party lets its last group go: the gang goes
+    assert grants(h) == {"t": "gt", "s": "gs"}
+    assert h.s.queues.gangs == {}
+
+
+def test_a_party_that_alternates_its_groups_no_longer_starves_a_gang(harness: Make) -> None:
+    """The trainer/sampler hand-off of one party, hold one group while asking the other, every round:
+    the gang is granted in the first round (it used to be passed every time, for ever)."""
+    h, s = crossing(harness)
+    rounds = []
+    for _ in range(5):
+        h.acquire(s["ps"])
+        h.release(s["pt"])
+        h.acquire(s["pt"])
+        h.release(s["ps"])
+        rounds.append(grants(h))
+        if rounds[-1]:
+            break
+    assert rounds == [{"t": "gt", "s": "gs"}]
+
+
+def test_each_party_passes_a_gang_once(harness: Make) -> None:
+    """Passes are counted per party: another party's first pass in the same wait is let."""
+    h = harness(FOUR)
+    s = {
+        "pt": h.register("pt", "t", (0,), party="P"),
+        "ps": h.register("ps", "s", (1,), party="P"),
+        "qu": h.register("qu", "u", (2,), party="Q"),
+        "qs": h.register("qs", "s", (1,), party="Q"),
+        "gt": h.register("gt", "t", (0,)),
+        "gs": h.register("gs", "s", (1,)),
+        "gu": h.register("gu", "u", (2,)),
+    }
+    h.acquire(s["pt"])
+    h.acquire(s["qu"])
+    for m in ("gt", "gs", "gu"):
+        h.acquire(s[m], gang="G", members=3)
+    assert grants(h) == {"t": "pt", "u": "qu"}
+    h.acquire(s["ps"])
+    h.acquire(s["qs"])  # Q's pass in ``s`` too, while P's is under way
+    assert grants(h) == {"s": "ps"}
+    assert sorted(h.s.queues.gangs["G"].passes) == ["P"]
+    h.release(s["ps"])
+    assert grants(h) == {"s": "qs"}  # Q's first pass
+    assert sorted(h.s.queues.gangs["G"].passes) == ["P", "Q"]
+    h.release(s["qs"])
+    h.release(s["pt"])
+    h.release(s["qu"])
+    assert grants(h) == {"t": "gt", "s": "gs", "u": "gu"}
+
+
+@pytest.mark.parametrize("ends", ["granted", "withdrawn"])
+def test_the_pass_count_restarts_with_the_gangs_next_wait(harness: Make, ends: str) -> None:
+    h, s = crossing(harness)
+    h.acquire(s["ps"])
+    h.release(s["ps"])
+    h.drain()
+    if ends == "granted":
+        h.release(s["pt"])
+        assert grants(h) == {"t": "gt", "s": "gs"}
+        h.release(s["gt"])
+        h.release(s["gs"])
+        h.acquire(s["pt"])
+        assert grants(h) == {"t": "pt"}
+    else:
+        h.cancel(s["gs"], next(t[1] for w in h.s.groups["s"].queue for t in w.tickets))
+        assert len(refusals(h.drain())) == 2  # ``gt`` fails too: the gang is withdrawn whole
+    h.acquire(s["gt"], gang="G", members=2)  # the same gang's next wait
+    h.acquire(s["gs"], gang="G", members=2)
+    assert h.s.queues.gangs["G"].passes == {}
+    h.acquire(s["ps"])
+    assert grants(h) == {"s": "ps"}  # P may pass it once again (were the count kept, this would be refused)
+
+
+def test_the_acquire_that_passed_is_not_refused_when_it_is_chosen_again(harness: Make) -> None:
+    """The passing acquire waits for room (a holder of another group on its GPU) and is chosen again
+    once that holder yields: it is the same pass, so it goes on (it is not a second one)."""
+    h = harness(FOUR)
+    ps = h.register("ps", "s", (1,), party="P")
+    h.acquire(ps)
+    h.alloc(ps, 60, 1)
+    h.release(ps)
+    x = h.register("x", "x", (1,))
+    h.acquire(x)
+    h.drain()
+    h.alloc(x, 60, 1)  # parks idle ``ps`` for its room
+    (snap,) = only(h.drain(), SnapshotJob)
+    h.finish(snap, nbytes=60)
+    h.drain()
+    pt, gt, gs = h.register("pt", "t", (0,), party="P"), h.register("gt", "t", (0,)), h.register("gs", "s", (1,))
+    h.acquire(pt)
+    h.acquire(gt, gang="G", members=2)
+    h.acquire(gs, gang="G", members=2)
+    assert grants(h) == {"t": "pt"}
+    h.acquire(ps)  # passes the gang in ``s``, and waits for ``x``'s room
+    assert h.s.groups["s"].blocked == "ps" and h.queue("s") == ["ps", "gs"]
+    assert [e.event for e in h.drain()] == ["policy"]  # the pass, told once
+    h.release(x)
+    effects = h.drain()
+    assert not refusals(effects) and not only(effects, NotifyJob)  # chosen again: the same pass, not told again
+    (snap,) = only(effects, SnapshotJob)  # ``x`` is parked for it
+    h.finish(snap, nbytes=60)
+    (restore,) = only(h.drain(), RestoreJob)
+    h.finish(restore)
+    assert grants(h) == {"s": "ps"}
+
+
+def test_a_party_that_let_all_of_the_gangs_groups_go_may_pass_it_again(harness: Make) -> None:
+    """A party's pass is forgotten once it holds none of the gang's groups: its next pass is not the
+    endless one. Here ``priority`` grants ``pt`` before the gang's member while the gang waits for
+    ``s`` (a loner holds it), so P holds ``t`` again and passes in ``s`` a second time."""
+    h = harness(FOUR, queue_policies={"*": QueuePolicy("priority", aging_s=1000.0)})
+    s = {
+        "pt": h.register("pt", "t", (0,), party="P", priority=1),
+        "ps": h.register("ps", "s", (1,), party="P"),
+        "lone": h.register("lone", "s", (1,), priority=1),
+        "gt": h.register("gt", "t", (0,)),
+        "gs": h.register("gs", "s", (1,)),
+    }
+    h.acquire(s["pt"])
+    h.acquire(s["gt"], gang="G", members=2)
+    h.acquire(s["gs"], gang="G", members=2)
+    h.acquire(s["ps"])
+    assert grants(h) == {"t": "pt", "s": "ps"}  # the first pass
+    h.acquire(s["lone"])
+    h.release(s["ps"])
+    assert grants(h) == {"s": "lone"}  # by priority
+    h.release(s["pt"])  # P holds none of the gang's groups now: its pass is forgotten
+    assert h.s.queues.gangs["G"].passes == {} and h.drain() == []
+    h.acquire(s["pt"])
+    assert grants(h) == {"t": "pt"}  # by priority, before ``gt`` (which waits for ``s``)
+    h.acquire(s["ps"])
+    h.release(s["lone"])
+    effects = h.drain()
+    assert not refusals(effects) and {e.group: e.job for e in effects if isinstance(e, GrantLock)} == {"s": "ps"}
+    h.release(s["ps"])
+    h.release(s["pt"])
+    assert grants(h) == {"t": "gt", "s": "gs"}

@@ -4,8 +4,11 @@ Per policy (``policy.py``): a waiter that arrived at ``t`` with window ``W`` is 
 that arrived after ``t + W``, and after ``t + W`` at most ``N - 1`` grants of its group come before
 its own (``N`` jobs). Gangs: members are granted in one step or not at all, and once arrivals stop
 and holders keep releasing, every waiter, gang or single, is granted (no deadlock), also when
-parties hold one group while they ask for another. The harness checks ``check_invariants(now)``
-after every input.
+parties hold one group while they ask for another, and when a party always holds one of a
+gang's groups (it is refused a second pass, ``GangWaiting``, rather than starve the gang).
+Kept turns (``--anticipate``) under each policy: every waiter, not only the policy's choice, is
+passed by at most one kept turn per wait. The harness checks ``check_invariants(now)`` after
+every input.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from hypothesis import strategies as st
 from timesliced import errors
 from timesliced.core.arbiter import Arbiter
 from timesliced.core.events import FailRequest, GrantLock
+from timesliced.core.model import Gang, Group, Job
 from timesliced.core.policy import QueuePolicy, Standing
 
 from ..helpers.harness import Harness
+from ..helpers.turns import check_turns
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -116,6 +121,51 @@ def test_the_bound_check_can_fail() -> None:
         check_bound(Lying("priority", aging_s=1000.0), data, jobs=3)
 
     with pytest.raises(AssertionError, match=r"passed|past its bound"):
+        run()
+
+
+KEPT_POLICIES = [QueuePolicy("priority", aging_s=1000.0), QueuePolicy("fair", aging_s=5.0)]
+# About 1 example in 20 has a waiter come, and be chosen, after one a kept turn passed: enough to
+# find the case nearly always (the examples are cheap).
+KEPT_SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", KEPT_POLICIES, ids=lambda p: p.name)
+@KEPT_SETTINGS
+@given(data=st.data())
+def test_every_waiter_is_passed_by_at_most_one_kept_turn_per_wait(policy: QueuePolicy, data: st.DataObject) -> None:
+    """The policy may choose a waiter that came after one a kept turn passed: no turn is kept before
+    the first one is granted (``Arbiter.anticipate``)."""
+    check_turns(data, policy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", KEPT_POLICIES, ids=lambda p: p.name)
+def test_the_kept_turn_check_sees_a_waiter_passed_twice(policy: QueuePolicy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Were only the policy's choice looked at for a mark (as before), a waiter chosen later would let
+    another turn be kept, and the check counts every waiter: it fails."""
+    anticipate = Arbiter.anticipate
+
+    def choice_only(self: Arbiter, group: Group, job: Job, now: float) -> None:
+        chosen = self.next_waiter(group)
+        hidden = [w for w in group.queue if w.delayed and w is not chosen]
+        for w in hidden:
+            w.delayed = False
+        try:
+            anticipate(self, group, job, now)
+        finally:
+            for w in hidden:
+                w.delayed = True
+
+    monkeypatch.setattr(Arbiter, "anticipate", choice_only)
+
+    @settings(max_examples=300, deadline=None, database=None, report_multiple_bugs=False, phases=[Phase.generate])
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        check_turns(data, policy)
+
+    with pytest.raises(AssertionError, match="kept waiting twice"):
         run()
 
 
@@ -318,4 +368,122 @@ def test_the_party_check_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
         check_parties("fifo", data)
 
     with pytest.raises(AssertionError, match="deadlock"):
+        run()
+
+
+def check_alternating(policy: str, data: st.DataObject) -> int:
+    """Party P hands its two groups back and forth, always holding one while it asks for the other
+    (an RL run's trainer and sampler as one party), among single acquires and gangs of both groups.
+    P's only refusals are ``GangWaiting``, after which it lets go of what it holds, as the error says;
+    and even though P never stops, once other arrivals stop every other waiter, gang or single, is
+    granted: P passes a gang at most once while it holds one of the gang's groups. Returns how many
+    times P was refused."""
+    h = Harness({0: 100, 1: 100}, queue_policies={"*": QueuePolicy(policy, aging_s=1000.0)})
+    gpus = {"t": (0,), "s": (1,)}
+    party = {g: h.register(f"P-{g}", g, gpus[g], party="P") for g in gpus}
+    loners = {f"x{k}-{g}": h.register(f"x{k}-{g}", g, gpus[g]) for k in range(3) for g in gpus}
+    sessions = {f"P-{g}": sid for g, sid in party.items()} | loners
+    other = {"P-t": "P-s", "P-s": "P-t"}
+    busy: set[str] = set()  # loners that wait or hold
+    holding: set[str] = set()  # loners that hold
+    held: list[str] = []  # P's jobs that hold, the longest held first
+    asking: list[str] = []  # P's job that waits
+    refused = 0
+    gangs = 0
+
+    def settle() -> None:
+        nonlocal refused
+        for e in h.drain():
+            if isinstance(e, GrantLock) and not e.again:
+                if e.job in asking:
+                    asking.remove(e.job)
+                    held.append(e.job)
+                else:
+                    holding.add(e.job)
+            elif isinstance(e, FailRequest):
+                job = h.s.sessions.get(e.ticket[0])
+                assert job in asking and isinstance(e.error, errors.GangWaiting), e
+                refused += 1
+                asking.remove(job)
+                for j in list(held):  # let go, as the error says
+                    held.remove(j)
+                    h.release(sessions[j])
+
+    def step_party() -> None:
+        if asking:
+            return
+        if len(held) == 2:
+            first = held.pop(0)
+            h.release(sessions[first])  # let the longest held go, keep the other
+        elif held:
+            asking.append(other[held[0]])  # hold one, ask for the other
+            h.acquire(sessions[asking[0]])
+        else:
+            asking.append("P-t")
+            h.acquire(sessions["P-t"])
+
+    def release(job: str) -> None:
+        h.release(sessions[job])
+        holding.discard(job)
+        busy.discard(job)
+
+    for _ in range(data.draw(st.integers(5, 50), label="steps")):
+        action = data.draw(st.sampled_from(["party", "party", "single", "gang", "release", "time"]), label="action")
+        idle = sorted(j for j in loners if j not in busy)
+        if action == "party":
+            step_party()
+        elif action == "single" and idle:
+            job = data.draw(st.sampled_from(idle), label="single")
+            busy.add(job)
+            h.acquire(sessions[job])
+        elif action == "gang":
+            members = [next((j for j in idle if j.endswith(f"-{g}")), None) for g in gpus]
+            if None not in members:
+                gangs += 1
+                for m in data.draw(st.permutations(members), label="arrival"):
+                    assert m is not None
+                    busy.add(m)
+                    h.acquire(sessions[m], gang=f"G{gangs}", members=2)
+        elif action == "release" and holding:
+            release(data.draw(st.sampled_from(sorted(holding)), label="release"))
+        else:
+            h.advance(data.draw(st.sampled_from([0.5, 4.0]), label="dt"))
+        settle()
+    for _ in range(100):  # other arrivals stop: P goes on handing its groups over, loners let go
+        settle()
+        if not busy:
+            break
+        h.advance(1.0)
+        step_party()
+        settle()
+        for job in sorted(holding):
+            release(job)
+        settle()
+    assert not busy, ("a waiter starves", {g: [(w.job, w.gang) for w in h.s.groups[g].queue] for g in gpus})
+    return refused
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fifo", "priority", "fair"])
+@SETTINGS
+@given(data=st.data())
+def test_a_party_that_always_holds_one_group_never_starves_a_gang(policy: str, data: st.DataObject) -> None:
+    check_alternating(policy, data)
+
+
+@pytest.mark.slow
+def test_the_alternating_check_refuses_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P is refused in the random hand-offs; were every pass a first one (passes not kept), P would
+    pass a gang every time it asks: the gang starves, and the check sees it."""
+    refused: list[int] = []
+
+    @settings(max_examples=300, deadline=None, database=None, report_multiple_bugs=False, phases=[Phase.generate])
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        refused.append(check_alternating("fifo", data))
+
+    run()
+    assert sum(refused) > 0
+    monkeypatch.setattr(Gang, "passes", property(lambda self: {}, lambda self, value: None), raising=False)
+    with pytest.raises(AssertionError, match="starves"):
         run()

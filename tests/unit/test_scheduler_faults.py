@@ -214,10 +214,46 @@ def a_release_under_priority_passes_the_first_waiter(h: Harness) -> Step:
     return lambda h: h.s.handle(ReleaseRequested(a), h.now)
 
 
+def party_crossing_a_gang(h: Harness) -> dict[str, int]:
+    """Party P holds ``t``; gang G (``gt``, ``gs``) waits for ``t`` and keeps ``s``."""
+    s = {
+        "pt": h.register("pt", "t", (0,), party="P"),
+        "ps": h.register("ps", "s", (1,), party="P"),
+        "gt": h.register("gt", "t", (0,)),
+        "gs": h.register("gs", "s", (1,)),
+    }
+    h.acquire(s["pt"])
+    h.acquire(s["gt"], gang="G", members=2)
+    h.acquire(s["gs"], gang="G", members=2)
+    return s
+
+
+def a_party_passes_a_waiting_gang(h: Harness) -> Step:
+    s = party_crossing_a_gang(h)
+    return lambda h: h.s.handle(AcquireRequested(s["ps"], 99, 10.0), h.now)
+
+
+def a_partys_second_pass_of_a_gang_is_refused(h: Harness) -> Step:
+    s = party_crossing_a_gang(h)
+    h.acquire(s["ps"])
+    h.release(s["pt"])
+    return lambda h: h.s.handle(AcquireRequested(s["pt"], 99, 10.0), h.now)
+
+
+def a_release_forgets_a_partys_pass_and_grants_the_gang(h: Harness) -> Step:
+    s = party_crossing_a_gang(h)
+    h.acquire(s["ps"])
+    h.release(s["ps"])
+    return lambda h: h.s.handle(ReleaseRequested(s["pt"]), h.now)  # P holds none of G's groups: G goes
+
+
 for _gang in (
     a_gang_completes_and_is_granted_whole,
     the_last_members_restore_grants_the_gang,
     a_gang_is_withdrawn_by_a_closed_session,
+    a_party_passes_a_waiting_gang,
+    a_partys_second_pass_of_a_gang_is_refused,
+    a_release_forgets_a_partys_pass_and_grants_the_gang,
 ):
     _gang.capacities = {0: 100, 1: 100}  # type: ignore[attr-defined]
 a_release_under_priority_passes_the_first_waiter.queue_policies = {"*": QueuePolicy("priority")}  # type: ignore[attr-defined]
@@ -242,6 +278,9 @@ SCENARIOS: list[Callable[[Harness], Step]] = [
     the_last_members_restore_grants_the_gang,
     a_gang_is_withdrawn_by_a_closed_session,
     a_release_under_priority_passes_the_first_waiter,
+    a_party_passes_a_waiting_gang,
+    a_partys_second_pass_of_a_gang_is_refused,
+    a_release_forgets_a_partys_pass_and_grants_the_gang,
 ]
 POLICIES = {"*": SlicePolicy(4.0, "preempt", grace=0.0)}
 

@@ -9,14 +9,15 @@ The head is the group's queue policy's choice (``policy.py``), made whenever the
 and not switching; a choice that differs from arrival order is told to its job (``policy``
 notice, in the event log). A gang member's group, its switch done, waits until every group of
 the gang can grant its member, and then all are granted in one step (``gangs``); the one single
-acquire let before it is a party's that holds another of the gang's groups (``_passer``).
+acquire let before it is a party's that holds another of the gang's groups (``_passer``), once
+until that party lets all of the gang's groups go: a second is refused (``GangWaiting``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from ..errors import TimeslicedError
+from ..errors import GangWaiting, TimeslicedError
 from . import anticipation
 from . import policy as queue_policy
 from .events import Effect, GrantLock, NotifyJob
@@ -187,20 +188,26 @@ class Arbiter:
         self._journal.fields(job, HELD)
         job.held_s += now - group.held_since  # what ``fair`` decides by
         self._queues.vacate(group)
+        if self._queues.gangs:
+            self._forget_passes(group)
 
     def anticipate(self, group: Group, job: Job, now: float) -> None:
         """``job`` just yielded ``group``: keep its turn if it will be back before a switch would pay.
 
-        Only when the group's next waiter needs ``job`` parked, has not been kept waiting so in this
-        wait, and no gang waits in the group (``core/anticipation.py``). The decision is told to
-        ``job`` as a ``policy`` notice (the event log has it).
+        Only when the group's next waiter needs ``job`` parked, no waiter that asks has been kept
+        waiting so in its wait (``Waiter.delayed``: the policy's choice may be a waiter that came
+        since, and the one passed before would be passed again), and no gang waits in the group
+        (``core/anticipation.py``). The decision is told to ``job`` as a ``policy`` notice (the
+        event log has it).
         """
         if self._anticipate_s <= 0 or group.draining or group.name in self.frozen():
             return
-        if not self._queues.others_wait(group) or any(w.gang is not None for w in group.queue):
+        if not self._queues.others_wait(group):
+            return
+        if any(w.gang is not None or (w.delayed and w.tickets) for w in group.queue):
             return
         head = self.next_waiter(group)
-        if head is None or not head.tickets or head.delayed:
+        if head is None or not head.tickets:
             return
         incoming = self._registry.jobs[head.job]
         if incoming.location is not Location.RESIDENT and incoming.location is not Location.PARKED:
@@ -359,15 +366,24 @@ class Arbiter:
         policy = self.policies.policy(group.name)
         if policy.name == "fifo" and not queues.gangs:
             return group.queue[0]  # arrival order, and nothing waits apart: the head it always was
-        chosen, first = queue_policy.choose(policy, group, registry.jobs, queues.gangs)
-        if chosen is None or first is None:
-            return None
-        passer = self._passer(group, chosen.gang) if chosen.gang is not None else None
-        if passer is not None:
-            waiter, held = passer
+        while True:
+            chosen, first = queue_policy.choose(policy, group, registry.jobs, queues.gangs)
+            if chosen is None or first is None:
+                return None
+            if chosen.gang is None or (passer := self._passer(group, chosen.gang)) is None:
+                break
+            waiter, held, party = passer
+            gang = queues.gangs[chosen.gang]
+            passed = gang.passes.get(party)
+            if passed is not None and passed != (group.name, waiter.seq):
+                self._refuse_pass(group, waiter, held, party, gang, chosen)
+                continue  # its party's requests are gone: choose again
+            if passed is None:
+                self._journal.keep_key(gang.passes, party)
+                gang.passes[party] = (group.name, waiter.seq)
             if queues.promote(group, waiter):
-                why = f"its party holds group {held!r}, which gang {chosen.gang!r} waits for: behind the gang, it would"
-                self._tell_chosen(group, waiter, chosen, f"{why} never let that group go", gang=chosen.gang)
+                why = f"its party holds group {held!r}, which gang {gang.name!r} waits for: behind the gang, it would"
+                self._tell_chosen(group, waiter, chosen, f"{why} never let that group go", gang=gang.name)
             return waiter
         if queues.promote(group, chosen) and chosen is not first:
             jobs = registry.jobs
@@ -380,8 +396,9 @@ class Arbiter:
         data = {"group": group.name, "policy": self.policies.policy(group.name).name, "passed": passed.job, **more}
         self._emit(NotifyJob(chosen.job, "policy", {**data, "reason": reason}))
 
-    def _passer(self, group: Group, gang_name: str) -> tuple[Waiter, str] | None:
-        """A single acquire in ``group`` that goes before gang ``gang_name``, and the group it is let by for.
+    def _passer(self, group: Group, gang_name: str) -> tuple[Waiter, str, str] | None:
+        """A single acquire in ``group`` that goes before gang ``gang_name``, the group it is let by for,
+        and its party.
 
         A gang takes its groups only together, and holds a free one while it waits for the rest. A
         party (a process, or processes named as one: ``JobRegistered.party``) that holds another of
@@ -390,6 +407,15 @@ class Arbiter:
         keeps its place and goes on once the party lets both groups go. Gangs and parties that ask for
         groups in one order cannot deadlock this way; a party that holds one group while it asks for
         another is the only wait a gang is passed for.
+
+        Once per party until it lets all of the gang's groups go (``Gang.passes``, which ``_choose``
+        keeps): a party that passes again while it still holds one of them, every time it asks for
+        the other, would keep the gang waiting for ever, so that second pass is refused
+        (``_refuse_pass``). A party's pass is forgotten when a group it held is let go and it holds
+        none of the gang's groups (``_forget_passes``; not when only some of a holder's sessions
+        let go, which can only refuse more), and all passes go with the gang when it is granted or
+        withdrawn. They are not rebuilt by a new leader (the nodes ask for their gangs anew): after
+        a leader change a party may pass a gang once more.
         """
         parties = self._registry.parties
         if not parties:
@@ -404,9 +430,57 @@ class Arbiter:
             return None
         for w in sorted((w for w in group.queue if w.gang is None and w.tickets), key=lambda w: w.seq):
             for s, _ in w.tickets:
-                if parties.get(s) in holding:
-                    return w, holding[parties[s]]
+                party = parties.get(s)
+                if party is not None and party in holding:
+                    return w, holding[party], party
         return None
+
+    def _forget_passes(self, group: Group) -> None:
+        """``group`` was let go: a party that passed a gang waiting in it, and now holds none of that
+        gang's groups, did let them all go, so its next pass is not the endless one (``_passer``)."""
+        parties, groups = self._registry.parties, self._registry.groups
+        for gang in self._queues.gangs.values():
+            if not gang.passes or group.name not in gang.members.values():
+                continue
+            holding = {parties.get(s) for g in set(gang.members.values()) for s in groups[g].holder_sessions}
+            gone = [p for p in gang.passes if p not in holding]
+            if gone:
+                self._journal.keep_dict(gang.passes)
+                for p in gone:
+                    del gang.passes[p]
+
+    def _refuse_pass(self, group: Group, waiter: Waiter, held: str, party: str, gang: Gang, member: Waiter) -> None:
+        """``party`` passed ``gang`` and, holding one of its groups ever since, would pass it again with
+        ``waiter``: each of the party's requests of ``waiter`` fails with ``GangWaiting`` (behind the gang
+        it would deadlock), told to its job as a ``policy`` notice too (the event log has it)."""
+        groups = sorted(set(gang.members.values()))
+        before, _ = gang.passes[party]
+        error = GangWaiting(
+            f"job {waiter.job!r} asked for group {group.name!r} while its party {party!r} holds group {held!r}, "
+            f"and gang {gang.name!r} waits for groups {', '.join(groups)}: the party went before this gang "
+            f"once already (in group {before!r}) and has held one of its groups since: going again would keep "
+            f"the gang waiting for as long as the party holds one of them. Release group {held!r} before asking "
+            f"for {group.name!r} again, or acquire both groups together as a gang (timesliced.gang(...))",
+            job=waiter.job,
+            group=group.name,
+            held=held,
+            party=party,
+            gang=gang.name,
+            gang_groups=groups,
+        )
+        parties = self._registry.parties
+        mine = [t for t in waiter.tickets if parties.get(t[0]) == party]
+        notice: dict[str, object] = {
+            "group": group.name,
+            "policy": self.policies.policy(group.name).name,
+            "passed": member.job,
+            "gang": gang.name,
+            "refused": error.code,
+            "reason": error.message,
+        }
+        self._emit(NotifyJob(waiter.job, "policy", notice))
+        for ticket in mine:
+            self._queues.fail(group, waiter, ticket, error)
 
     def _grant(self, group: Group, now: float, *, switch_s: float, restored: bool, switched: bool) -> None:
         head = group.queue[0]

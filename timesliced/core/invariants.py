@@ -78,6 +78,9 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves, gangs: Mapping
         assert gang.members and len(gang.members) <= gang.size, (name, gang)
         assert gang.seq is None or len(gang.members) == gang.size, f"gang {name} granted in part: {gang}"
         assert len(set(gang.members.values())) == len(gang.members), f"gang {name} twice in a group"
+        # A party passes only a complete gang, in one of the groups it waits in (``Arbiter._passer``).
+        assert not gang.passes or gang.seq is not None, f"gang {name} passed before it was complete"
+        assert all(g in gang.members.values() for g, _ in gang.passes.values()), (name, gang.passes)
         for ticket, group in gang.members.items():
             place = next((w for w in groups[group].queue if ticket in w.tickets), None)
             assert place is not None and place.gang == name, f"member {ticket} of gang {name} does not wait in {group}"

@@ -55,6 +55,9 @@ class Gang:
     ``seq`` is None until all ``size`` members have asked; then the gang waits in each of its
     groups at the tail, under one place in the arrival order (``seq``) that every group shares.
     ``ready``: group -> (switch_s, restored, switched) of a member whose switch is done.
+    ``passes``: party -> (group, seq) of the one single acquire of that party that went before the
+    gang in this wait (``Arbiter._passer``), until the party holds none of the gang's groups; all go
+    with the gang (granted or withdrawn).
     """
 
     name: str
@@ -63,6 +66,7 @@ class Gang:
     seq: int | None = None
     formed_at: float = 0.0
     ready: dict[str, tuple[float, bool, bool]] = field(default_factory=dict)
+    passes: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
