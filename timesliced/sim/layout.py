@@ -244,7 +244,11 @@ def _slot_capacity(nbytes: int) -> int:
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
+    n = os.pwrite(fd, data, offset)  # the whole of it, as a rule: the loop is for a write cut short
+    if n == len(data):
+        return
+    view = memoryview(data)[n:]
+    offset += n
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
