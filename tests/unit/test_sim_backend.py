@@ -188,7 +188,8 @@ def test_snapshot_returns_device_memory_and_blocks_access(sims: Sims) -> None:
 
     assert asyncio.run(b.restore("a")).nbytes == 10 * PAGE
     assert r.checksum() == digest and b.free_bytes(0) == 22 * PAGE
-    assert list((b.root / "parked" / job_key("a")).iterdir()) == []  # its file is the pool's; the folder waits
+    assert [p.name for p in (b.root / "parked" / job_key("a")).iterdir()] == ["1.bin"]  # the pool's now, kept there
+    assert b.pool.bytes == 10 * PAGE and b.verify("a") == "resident"
     assert asyncio.run(b.restore("a")).nbytes == 0  # already resident
     assert asyncio.run(b.snapshot("nobody")) == asyncio.run(b.restore("nobody")) == MoveResult(0, 0.0)
     asyncio.run(b.snapshot("a"))

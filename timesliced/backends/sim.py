@@ -148,8 +148,9 @@ class _Job:
     regions: dict[int, RegionRecord]
     move: _Move | None = None
     folder: Path = dataclasses.field(init=False)  # its parked files' folder (``parked_dir``), worked out once
-    # Whether this backend made ``folder`` (and removed it not since). A restore leaves it, empty, for the
-    # job's next park: making it again cost a swap some 10 us of its 170 at 6 GB/s. Reclaim removes it.
+    # Whether this backend made ``folder`` (and removed it not since). A restore leaves it, holding only
+    # files of the pool (``BufferPool.keep``), for the job's next park: making it again cost a swap some
+    # 10 us of its 170 at 6 GB/s. Reclaim removes it.
     has_folder: bool = False
 
     def parked_path(self, region: int) -> str:
@@ -470,6 +471,7 @@ class SimBackend:
             self._update(j, regions={k: v for k, v in j.regions.items() if k != region})
             self._release_pages(record)
             self._unmap_parked(job, region)
+            self.pool.forget(j.folder, Path(j.parked_path(region)))  # a file a restore left the pool
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(j.parked_path(region))
         return self.rounded(record.nbytes)
@@ -517,6 +519,7 @@ class SimBackend:
                 ctl_path(self.root, job).unlink(missing_ok=True)
                 j.ctl.close()
                 j.has_folder = False
+                self.pool.forget(j.folder)  # files its restores left the pool, in its folder
                 trash = self._discard(j.folder)
             if trash is not None:
                 await asyncio.to_thread(shutil.rmtree, trash, True)
@@ -698,7 +701,7 @@ class SimBackend:
                 self._reraise("restore", j, exc)
             # the job is on the device: what follows is cleaning up
             end = self._no_earlier_than_the_model("restore", pacer, start)
-            self._recycle(bufs.values())  # the folder stays, empty, for the next park
+            self._recycle(bufs.values())
             return MoveResult(pacer.moved, end - start)
         finally:
             self._finish(j, move)
@@ -810,9 +813,12 @@ class SimBackend:
                 self.pool.give(f.buf)
 
     def _recycle(self, bufs: Iterable[Buffer]) -> None:
-        """A restore committed: its parked files, mapped, become the pool's (or are deleted past its limit)."""
+        """A restore committed: its parked files, mapped, become the pool's (or are deleted past its limit).
+
+        They stay where they are: the job's next park takes them there (``BufferPool.keep``).
+        """
         for buf in bufs:
-            self.pool.give(buf)
+            self.pool.keep(buf)
 
     def _unmap_parked(self, job: str, region: int | None = None) -> None:
         """Unmap the job's parked files (one region's, or all) before they are deleted (under the lock)."""
