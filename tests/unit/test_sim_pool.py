@@ -364,3 +364,27 @@ def test_a_daemon_killed_at_any_instant_of_moves_through_the_pool_leaves_each_jo
                 assert holds(regions), (root.name, job)
         finally:
             adopted.close()
+
+
+def test_files_a_restore_left_the_pool_are_no_parked_state_to_start_up_or_to_sim_clean(
+    sims: Sims, tmp_path: Path
+) -> None:
+    from timesliced.sim import clean
+
+    b = sims.backend(pool=1 << 20)
+    for job in ("kept", "parked"):
+        b.alloc(job, 0, 3 * PAGE)
+        asyncio.run(b.snapshot(job))
+    asyncio.run(b.restore("kept"))  # its file stays in its folder, the pool's
+    assert in_folder(parked_dir(b.root, "kept")) == {"1.bin": 3 * PAGE}
+    for copy in ("for-start-up", "for-clean"):  # what a daemon killed now leaves
+        shutil.copytree(b.root, tmp_path / copy)
+    adopted = SimBackend(tmp_path / "for-start-up", gpus=2, capacity=32 * PAGE, page_size=PAGE, bandwidth=0)
+    try:
+        assert adopted.job_state("kept") == "resident" and adopted.job_state("parked") == "parked"
+        assert not parked_dir(adopted.root, "kept").exists() and adopted.pool.bytes == 0
+        assert in_folder(parked_dir(adopted.root, "parked")) == {"1.bin": 3 * PAGE}
+    finally:
+        adopted.close()
+    done = clean.clean(tmp_path / "for-clean")
+    assert (done.jobs, done.parked) == (2, 1)
