@@ -263,7 +263,7 @@ class _ParkFile:
     from the device pages the control file still lists (``SimBackend._finish_handed_park``).
     """
 
-    def __init__(self, path: Path, buf: Buffer | None, fd: int | None) -> None:
+    def __init__(self, path: str, buf: Buffer | None, fd: int | None) -> None:
         self.path = path
         self.buf = buf
         self.fd = fd
@@ -768,7 +768,7 @@ class SimBackend:
 
     def _park_file(self, j: _Job, r: RegionRecord) -> _ParkFile:
         """Where region ``r`` of job ``j`` is parked: a warm buffer from the pool, else a new file."""
-        folder, path = j.folder, Path(j.parked_path(r.region))
+        folder, path = j.folder, j.parked_path(r.region)
         buf = self.pool.take(r.nbytes, path)
         if buf is not None:
             return _ParkFile(path, buf, None)
@@ -839,7 +839,7 @@ class SimBackend:
             size = os.stat(path).st_size
             if size != r.nbytes:
                 raise errors.BackendError(f"parked copy {path} has {size} bytes, expected {r.nbytes}")
-            return buf if buf is not None else Buffer.open(Path(path))
+            return buf if buf is not None else Buffer.open(path)
         except BaseException as exc:
             if buf is not None:
                 buf.close()

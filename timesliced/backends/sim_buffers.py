@@ -37,6 +37,7 @@ deleting.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -71,14 +72,19 @@ class Buffer:
     ``close``. Raises ``OSError`` from ``open`` when the file cannot be mapped.
     """
 
-    def __init__(self, path: Path, m: mmap.mmap) -> None:
-        self.path = path
+    def __init__(self, path: str | Path, m: mmap.mmap) -> None:
+        # A string: a move compares and renames paths, and ``pathlib`` costs it microseconds per path.
+        self.name = os.fspath(path)
         self._map = m
         self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(m)  # pins the mapping while in use
         self.address = ctypes.addressof(self._anchor)
 
+    @property
+    def path(self) -> Path:
+        return Path(self.name)
+
     @classmethod
-    def open(cls, path: Path) -> Buffer:
+    def open(cls, path: str | Path) -> Buffer:
         """Map a complete parked file (its size is the region's) and populate its page tables."""
         fd = os.open(path, os.O_RDWR)
         try:
@@ -96,9 +102,9 @@ class Buffer:
     def size(self) -> int:
         return len(self._map)
 
-    def rename(self, path: Path) -> None:
-        os.rename(self.path, path)
-        self.path = path
+    def rename(self, path: str | Path) -> None:
+        os.rename(self.name, path)
+        self.name = os.fspath(path)
 
     def cut(self, size: int) -> None:
         """Make the file (and the mapping) exactly ``size`` bytes, ``size`` at most its size."""
@@ -143,7 +149,7 @@ class BufferPool:
         for stray in self.folder.iterdir():
             stray.unlink(missing_ok=True)
 
-    def take(self, size: int, path: Path) -> Buffer | None:
+    def take(self, size: int, path: str | Path) -> Buffer | None:
         """A buffer of at least ``size`` bytes, cut to ``size`` and at ``path``; None if none.
 
         The one kept at ``path`` (``keep``) if it is big enough, else the smallest that is, renamed
@@ -155,13 +161,14 @@ class BufferPool:
         file in the job's parked folder, which start-up removes as nobody's.
         """
         evicted: list[Buffer] = []
+        path = os.fspath(path)
         try:
             with self._lock:
                 buf = self._choose(size, path, evicted)
                 if buf is None:
                     return None
                 self.taken += 1
-                if buf.path != path:
+                if buf.name != path:
                     try:
                         buf.rename(path)
                     except BaseException:
@@ -178,9 +185,9 @@ class BufferPool:
             raise
         return buf
 
-    def _choose(self, size: int, path: Path, evicted: list[Buffer]) -> Buffer | None:
+    def _choose(self, size: int, path: str, evicted: list[Buffer]) -> Buffer | None:
         """``take``'s buffer, out of the pool, or None (under the lock); what it deletes goes to ``evicted``."""
-        here = next((b for b in self._free if b.path == path), None)
+        here = next((b for b in self._free if b.name == path), None)
         if here is not None:
             self._free.remove(here)
             self.bytes -= here.size
@@ -223,7 +230,7 @@ class BufferPool:
     def forget(self, folder: Path, path: Path | None = None) -> None:
         """Delete the buffers kept in ``folder`` (only the one at ``path``, if given): a job or region is gone."""
         with self._lock:
-            gone = [b for b in self._free if b.path.parent == folder and path in (None, b.path)]
+            gone = [b for b in self._free if b.path.parent == folder and path in (None, b.path)]  # rare: ``Path``
             for buf in gone:
                 self._free.remove(buf)
                 self.bytes -= buf.size
@@ -278,4 +285,5 @@ class BufferPool:
     @staticmethod
     def _unlink(buf: Buffer) -> None:
         """Remove the buffer's file (under the lock: nothing else names a file there meanwhile); unmap it after."""
-        buf.path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(buf.name)
