@@ -26,6 +26,7 @@ from timesliced.config import DaemonConfig
 from timesliced.core.slices import SlicePolicy
 from timesliced.daemon.embedded import EmbeddedDaemon
 from timesliced.env import default_sim_dir
+from timesliced.sim.layout import job_key
 from timesliced.wire.park import ParkSpec
 
 from ..helpers.processes import wait_for
@@ -145,8 +146,9 @@ def test_the_sims_pool_of_warm_buffers_is_in_status_counted_as_room_and_bounded(
     assert held == (40 * MiB if pool else 0) and (doc["sim_pool"]["taken"] >= 1) == bool(pool)
     assert doc["tmpfs"] is not None
     assert doc["pools"][f"tmpfs:{doc['tmpfs']['path']}"] == doc["tmpfs"]["free"] + held  # the pool is room
-    pool_dir = default_sim_dir(daemon.config.state_dir) / "pool"
-    assert sum(f.stat().st_size for f in pool_dir.iterdir()) == held
+    sim_dir = default_sim_dir(daemon.config.state_dir)
+    kept = sim_dir / "parked" / job_key("b")  # b was restored last: its parked files stay there, the pool's
+    assert sum(f.stat().st_size for folder in (sim_dir / "pool", kept) for f in folder.iterdir()) == held
 
 
 def fake_host(root: Path, *, limit: int, used: int) -> None:

@@ -188,7 +188,8 @@ def test_snapshot_returns_device_memory_and_blocks_access(sims: Sims) -> None:
 
     assert asyncio.run(b.restore("a")).nbytes == 10 * PAGE
     assert r.checksum() == digest and b.free_bytes(0) == 22 * PAGE
-    assert not (b.root / "parked" / job_key("a")).exists()
+    assert [p.name for p in (b.root / "parked" / job_key("a")).iterdir()] == ["1.bin"]  # the pool's now, kept there
+    assert b.pool.bytes == 10 * PAGE and b.verify("a") == "resident"
     assert asyncio.run(b.restore("a")).nbytes == 0  # already resident
     assert asyncio.run(b.snapshot("nobody")) == asyncio.run(b.restore("nobody")) == MoveResult(0, 0.0)
     asyncio.run(b.snapshot("a"))
@@ -471,3 +472,121 @@ def test_a_commit_cut_short_keeps_the_previous_table(sims: Sims) -> None:
     assert b.recovered_jobs() == {"a": ("resident", {0: 2 * PAGE})}
     assert read_ctl(ctl)[0].gen % 2 == 0
     assert sims.open(info).read(8) == b"keptkept"
+
+
+# --- what a restore leaves past a region's bytes, and a snapshot killed at its commits -------------
+
+
+def tail_of(b: SimBackend, info: RegionInfo) -> bytes:
+    """The arena's bytes from the end of the region to the end of its last page."""
+    first, count = extents_of(info)[-1]
+    end = (first + count) * PAGE
+    used = info.nbytes - sum(n for _, n in extents_of(info)[:-1]) * PAGE - (count - 1) * PAGE
+    return (b.root / f"gpu{info.gpu}.arena").read_bytes()[end - PAGE + used : end]
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_restore_into_pages_that_held_more_zeroes_its_last_page_past_its_bytes(sims: Sims, swap: bool) -> None:
+    b = sims.backend(gpus=1, capacity=4 * PAGE)
+    big = b.alloc("big", 0, 2 * PAGE)  # pages 0-1, written to the last byte
+    sims.open(big).fill(b"\xff")
+    small = b.alloc("small", 0, PAGE + 100)  # pages 2-3
+    sims.open(small).fill(b"\x01")
+    asyncio.run(b.snapshot("small"))
+    if swap:
+        b.alloc("filler", 0, 2 * PAGE)  # no free page: the swap's restore takes the park's
+        asyncio.run(b.swap("big", "small"))
+    else:
+        asyncio.run(b.snapshot("big"))
+        asyncio.run(b.restore("small"))
+    assert {p for first, n in extents_of(small) for p in range(first, first + n)} & {0, 1}  # some of big's pages
+    assert sims.open(small).read() == b"\x01" * (PAGE + 100)
+    assert tail_of(b, small) == bytes(PAGE - 100)
+    asyncio.run(b.snapshot("small"))  # and back into pages whose tails are zero: nothing to zero, still zeros
+    asyncio.run(b.restore("small"))
+    assert tail_of(b, small) == bytes(PAGE - 100)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_restore_into_punched_pages_leaves_its_bytes_to_be_zeroed_by_the_next(sims: Sims, swap: bool) -> None:
+    """Pages given back to the host read zeros; a restore's copy into them is what the next restore must zero."""
+    b = sims.backend(gpus=1, capacity=4 * PAGE)
+    big = b.alloc("big", 0, 2 * PAGE)
+    sims.open(big).fill(b"\xff")
+    small = b.alloc("small", 0, PAGE + 100)
+    sims.open(small).fill(b"\x01")
+    asyncio.run(b.snapshot("small"))
+    asyncio.run(b.snapshot("big"))
+    b.alloc("gone", 0, PAGE)
+    asyncio.run(b.reclaim("gone"))  # every free page is given back to the host: all four read zeros
+    asyncio.run(b.restore("big"))  # pages 0-1 hold big's bytes again
+    if swap:
+        b.alloc("filler", 0, 2 * PAGE)
+        asyncio.run(b.swap("big", "small"))
+    else:
+        asyncio.run(b.snapshot("big"))
+        asyncio.run(b.restore("small"))
+    assert {p for first, n in extents_of(small) for p in range(first, first + n)} & {0, 1}
+    assert tail_of(b, small) == bytes(PAGE - 100)
+
+
+@pytest.mark.parametrize("write_late", [False, True])
+def test_a_daemon_killed_at_a_commit_of_a_snapshot_leaves_the_job_whole(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, write_late: bool
+) -> None:
+    """The parked files carry no mark of being whole: PARKED is committed only once every byte is in them.
+
+    ``write_late`` breaks that order on purpose (each chunk reaches its file only after the next commit),
+    to show that the check sees it.
+    """
+    import shutil
+
+    from timesliced.sim import layout
+
+    monkeypatch.setattr(sim, "_CHUNK", 3 * PAGE + 4096)
+    b = sims.backend()
+    data = {}
+    for gpu, n in ((0, 7 * PAGE + 5), (1, 2 * PAGE)):
+        info = b.alloc("a", gpu, n)
+        data[info.region] = random.Random(n).randbytes(n)
+        sims.open(info).write(data[info.region])
+    crashes: list[Path] = []
+    late: list[tuple[Path, bytes, int]] = []
+    commit = layout.CtlWriter.commit
+
+    def crash_copy() -> None:
+        crashes.append(tmp_path / f"crash-{len(crashes)}")
+        shutil.copytree(b.root, crashes[-1])
+
+    def at_commit(self: layout.CtlWriter, slot: layout.SlotData) -> None:
+        crash_copy()
+        commit(self, slot)
+        crash_copy()
+        while late:
+            path, chunk, pos = late.pop(0)
+            fd = os.open(path, os.O_WRONLY)  # the park may have closed its own descriptor by now
+            os.pwrite(fd, chunk, pos)
+            os.close(fd)
+
+    def written_late(self: sim._ParkFile, src: memoryview, address: int, pos: int) -> None:
+        late.append((self.path, bytes(src), pos))
+
+    monkeypatch.setattr(layout.CtlWriter, "commit", at_commit)
+    if write_late:
+        monkeypatch.setattr(sim._ParkFile, "write", written_late)
+    asyncio.run(b.snapshot("a"))
+    monkeypatch.undo()
+    lost = []
+    for root in crashes:
+        adopted = SimBackend(root, gpus=2, capacity=32 * PAGE, page_size=PAGE, bandwidth=0)
+        try:
+            assert adopted.job_state("a") in ("resident", "parked"), root.name
+            asyncio.run(adopted.restore("a"))
+            for info in adopted.regions("a"):
+                with SimRegion.open(info) as region:
+                    if region.read() != data[info.region]:
+                        lost.append(root.name)
+        finally:
+            adopted.close()
+    assert len(crashes) == 4  # before and after PARKING, before and after PARKED
+    assert bool(lost) == write_late, lost

@@ -79,6 +79,49 @@ def test_a_take_that_finds_nothing_big_enough_gives_back_as_much_as_it_needs(roo
     assert pool.bytes == 100 * KiB and len(in_folder(pool.folder)) == 1 and pool.describe()["missed"] == 1
 
 
+def test_a_buffer_kept_in_place_is_taken_there_by_the_next_park_at_that_path(root: Path) -> None:
+    pool = BufferPool(root / "pool", limit=1 << 20)
+    kept = buffer(root / "parked" / "a", "1.bin", 100 * KiB, b"k")
+    inode = kept.path.stat().st_ino
+    pool.keep(kept)  # a restore's file: it stays where it is, the pool's
+    assert pool.bytes == 100 * KiB and not in_folder(pool.folder)
+    pool.give(buffer(root / "parked", "smaller.bin", 90 * KiB))  # a smaller buffer would be chosen otherwise
+    got = pool.take(100 * KiB, root / "parked" / "a" / "1.bin")
+    assert got is kept and got.path.stat().st_ino == inode and pool.bytes == 90 * KiB  # no rename
+    got.close()
+    elsewhere = buffer(root / "parked" / "b", "1.bin", 100 * KiB)
+    pool.keep(elsewhere)
+    (root / "parked" / "c").mkdir()
+    got = pool.take(95 * KiB, root / "parked" / "c" / "1.bin")  # another job's park: the smallest that fits
+    assert got is elsewhere and got.path == root / "parked" / "c" / "1.bin" and not in_folder(root / "parked" / "b")
+    got.close()
+
+
+def test_a_buffer_kept_where_a_park_writes_a_bigger_file_is_deleted_first(root: Path) -> None:
+    pool = BufferPool(root / "pool", limit=1 << 20)
+    path = root / "parked" / "a" / "1.bin"
+    pool.keep(buffer(path.parent, path.name, 50 * KiB))
+    pool.give(buffer(root / "parked", "big.bin", 200 * KiB))
+    got = pool.take(100 * KiB, path)  # the kept one is too small: gone, the big one renamed over its place
+    assert got is not None and got.size == 100 * KiB and path.stat().st_size == 100 * KiB and pool.bytes == 0
+    got.close()
+    pool.keep(Buffer.open(path))
+    assert pool.take(300 * KiB, path) is None  # nothing fits: the park makes a new file there
+    assert not path.exists() and pool.bytes == 0
+
+
+def test_the_pool_forgets_what_it_kept_in_a_folder_or_at_one_path(root: Path) -> None:
+    pool = BufferPool(root / "pool", limit=1 << 20)
+    folder = root / "parked" / "a"
+    for name in ("1.bin", "2.bin"):
+        pool.keep(buffer(folder, name, 10 * KiB))
+    pool.give(buffer(root / "parked", "other.bin", 10 * KiB))
+    pool.forget(folder, folder / "1.bin")  # a region freed
+    assert in_folder(folder) == {"2.bin": 10 * KiB} and pool.bytes == 20 * KiB
+    pool.forget(folder)  # the job reclaimed
+    assert in_folder(folder) == {} and pool.bytes == 10 * KiB and len(in_folder(pool.folder)) == 1
+
+
 def test_a_pool_of_limit_zero_keeps_nothing_and_a_negative_one_is_refused(root: Path) -> None:
     pool = BufferPool(root / "pool", limit=0)
     pool.give(buffer(root / "parked", "0.bin", 100 * KiB))
@@ -110,18 +153,19 @@ def test_a_restore_leaves_its_files_in_the_pool_and_the_next_park_writes_into_th
     asyncio.run(b.snapshot("a"))
     assert b.pool.describe() == {"held": 0, "limit": 1 << 20, "taken": 0, "missed": 2}  # nothing warm yet
     asyncio.run(b.restore("a"))
-    assert holds(a) and b.pool.bytes == 7 * PAGE + 3  # both files, kept
-    inodes = {p.stat().st_ino for p in b.pool.folder.iterdir()}
+    parked = parked_dir(b.root, "a")
+    assert holds(a) and b.pool.bytes == 7 * PAGE + 3  # both files, kept where they are
+    assert not in_folder(b.pool.folder) and len(in_folder(parked)) == 2
+    inodes = {p.stat().st_ino for p in parked.iterdir()}
     asyncio.run(b.snapshot("a"))
     assert b.pool.describe()["taken"] == 2 and b.pool.bytes == 0 and not in_folder(b.pool.folder)
-    parked = parked_dir(b.root, "a")
     assert {p.stat().st_ino for p in parked.iterdir()} == inodes  # the very same files hold the parked copy
     assert sorted(p.stat().st_size for p in parked.iterdir()) == [2 * PAGE, 5 * PAGE + 3]
     assert b.verify("a") == "parked"
     asyncio.run(b.restore("a"))
     assert holds(a)
     b.close()
-    assert not in_folder(b.pool.folder)  # a daemon that stops gives the pool's memory back
+    assert not in_folder(b.pool.folder) and not in_folder(parked)  # a daemon that stops gives the pool's memory back
 
 
 def test_a_swap_parks_into_the_pool_and_leaves_the_restored_files_in_it(sims: Sims) -> None:
@@ -178,7 +222,8 @@ def test_the_bytes_pooled_stay_under_the_limit_over_many_switches(sims: Sims) ->
         assert b.pool.bytes <= 12 * PAGE
         asyncio.run(b.restore(job))
         assert b.pool.bytes <= 12 * PAGE and holds(jobs[job])
-        assert sum(in_folder(b.pool.folder).values()) == b.pool.bytes  # the count is the files'
+        kept = [in_folder(parked_dir(b.root, j)) for j in jobs if parked_dir(b.root, j).exists()]  # all resident
+        assert sum(in_folder(b.pool.folder).values()) + sum(sum(k.values()) for k in kept) == b.pool.bytes
 
 
 # --- a full tmpfs ----------------------------------------------------------------------------------
@@ -319,3 +364,27 @@ def test_a_daemon_killed_at_any_instant_of_moves_through_the_pool_leaves_each_jo
                 assert holds(regions), (root.name, job)
         finally:
             adopted.close()
+
+
+def test_files_a_restore_left_the_pool_are_no_parked_state_to_start_up_or_to_sim_clean(
+    sims: Sims, tmp_path: Path
+) -> None:
+    from timesliced.sim import clean
+
+    b = sims.backend(pool=1 << 20)
+    for job in ("kept", "parked"):
+        b.alloc(job, 0, 3 * PAGE)
+        asyncio.run(b.snapshot(job))
+    asyncio.run(b.restore("kept"))  # its file stays in its folder, the pool's
+    assert in_folder(parked_dir(b.root, "kept")) == {"1.bin": 3 * PAGE}
+    for copy in ("for-start-up", "for-clean"):  # what a daemon killed now leaves
+        shutil.copytree(b.root, tmp_path / copy)
+    adopted = SimBackend(tmp_path / "for-start-up", gpus=2, capacity=32 * PAGE, page_size=PAGE, bandwidth=0)
+    try:
+        assert adopted.job_state("kept") == "resident" and adopted.job_state("parked") == "parked"
+        assert not parked_dir(adopted.root, "kept").exists() and adopted.pool.bytes == 0
+        assert in_folder(parked_dir(adopted.root, "parked")) == {"1.bin": 3 * PAGE}
+    finally:
+        adopted.close()
+    done = clean.clean(tmp_path / "for-clean")
+    assert (done.jobs, done.parked) == (2, 1)

@@ -76,7 +76,7 @@ def test_swap_streams_a_job_into_the_room_another_frees(sims: Sims) -> None:
     assert result.to_host_gbps is not None and result.to_device_gbps is not None
     assert b.job_state("a") == "parked" and b.job_state("b") == "resident" and holds(jobs["b"])
     assert b.free_bytes(0) == 8 * PAGE and b.free_bytes(1) == 29 * PAGE
-    assert not (b.root / "parked" / job_key("b")).exists()
+    assert len(list((b.root / "parked" / job_key("b")).iterdir())) == 3  # its files, the pool's now, kept there
 
     back = asyncio.run(b.swap("b", "a"))  # and the other way
     assert isinstance(back.park, MoveResult) and isinstance(back.restore, MoveResult)
@@ -166,20 +166,22 @@ def test_a_cancelled_swap_leaves_each_job_whole(sims: Sims) -> None:
     assert holds(jobs["b"])
 
 
-def test_a_daemon_killed_at_any_instant_of_a_swap_leaves_each_job_whole(
-    sims: Sims, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """Copy the whole sim root (what a killed daemon leaves on the tmpfs) at every step and every commit."""
-    b, jobs = full_gpu(sims)
+def crash_roots(b: SimBackend, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, write_late: bool) -> list[Path]:
+    """Copy the whole sim root (what a killed daemon leaves on the tmpfs) at every step and every commit of a swap.
+
+    ``write_late`` breaks the park's ordering on purpose: each chunk reaches its host file only after the
+    next control-file commit (the one that hands its pages over, or says ``PARKED``), as if the commit
+    came before the copy.
+    """
     crashes: list[Path] = []
+    late: list[tuple[Path, bytes, int]] = []
 
     def crash_copy() -> None:
         dest = tmp_path / f"crash-{len(crashes)}"
         shutil.copytree(b.root, dest)
         crashes.append(dest)
 
-    sleep_until = sim._Swap._sleep_until
-    commit = layout.CtlWriter.commit
+    sleep_until, commit = sim._Swap._sleep_until, layout.CtlWriter.commit
 
     def at_step(self: sim._Swap, due: float) -> None:
         crash_copy()
@@ -189,26 +191,66 @@ def test_a_daemon_killed_at_any_instant_of_a_swap_leaves_each_job_whole(
         crash_copy()
         commit(self, slot)
         crash_copy()
+        while late:
+            path, data, pos = late.pop(0)
+            fd = os.open(path, os.O_WRONLY)  # the park may have closed its own descriptor by now
+            os.pwrite(fd, data, pos)
+            os.close(fd)
+
+    def written_late(self: sim._ParkFile, src: memoryview, address: int, pos: int) -> None:
+        late.append((self.path, bytes(src), pos))
 
     monkeypatch.setattr(sim._Swap, "_sleep_until", at_step)
     monkeypatch.setattr(layout.CtlWriter, "commit", at_commit)
+    if write_late:
+        monkeypatch.setattr(sim._ParkFile, "write", written_late)
     asyncio.run(b.swap("a", "b"))
     monkeypatch.undo()
-    assert len(crashes) > 20  # many instants: chunks of both directions and their hand-overs
+    return crashes
+
+
+def damaged(root: Path, jobs: dict[str, list[tuple[RegionInfo, bytes]]]) -> str | None:
+    """What start-up on a crashed root got wrong (a job in no whole state, or bytes lost), or None."""
     data = {job: {info.region: d for info, d in regions} for job, regions in jobs.items()}
+    adopted = SimBackend(root, gpus=2, capacity=32 * PAGE, page_size=PAGE, bandwidth=0)
+    try:
+        states = {job: adopted.job_state(job) for job in jobs}
+        if sorted(states.values()) not in (["parked", "resident"], ["parked", "parked"]):
+            return f"{root.name}: {states}"
+        for job, other in (("a", "b"), ("b", "a")):  # each in turn on the device: every byte is back
+            asyncio.run(adopted.snapshot(other))
+            asyncio.run(adopted.restore(job))
+            if not holds([(info, data[job][info.region]) for info in adopted.regions(job)]):
+                return f"{root.name}: job {job} lost bytes"
+    finally:
+        adopted.close()
+    return None
+
+
+def test_a_daemon_killed_at_any_instant_of_a_swap_leaves_each_job_whole(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    b, jobs = full_gpu(sims)
+    crashes = crash_roots(b, monkeypatch, tmp_path, write_late=False)
+    assert len(crashes) > 20  # many instants: chunks of both directions and their hand-overs
     handed_over = 0
     for root in crashes:
         _, slot, _ = layout.read_ctl(root / "jobs" / f"{job_key('a')}.ctl")
         pages = sum(n for r in slot.regions for _, n in r.extents)
         handed_over += slot.state == layout.PARKING and 0 < pages < 20
-        adopted = SimBackend(root, gpus=2, capacity=32 * PAGE, page_size=PAGE, bandwidth=0)
-        try:
-            states = {job: adopted.job_state(job) for job in jobs}
-            assert sorted(states.values()) in (["parked", "resident"], ["parked", "parked"]), (root.name, states)
-            for job, other in (("a", "b"), ("b", "a")):  # each in turn on the device: every byte is back
-                asyncio.run(adopted.snapshot(other))
-                asyncio.run(adopted.restore(job))
-                assert holds([(info, data[job][info.region]) for info in adopted.regions(job)]), (root.name, job)
-        finally:
-            adopted.close()
+        assert damaged(root, jobs) is None
     assert handed_over > 3  # copies caught the park part-way handed over: start-up finished those parks
+
+
+def test_the_crash_check_catches_a_park_that_commits_before_it_copies(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The check above, against a park whose control file says its pages' bytes are on the host before they are.
+
+    The parked files carry no mark of being whole: only the order of copy and commit keeps a killed
+    daemon's parks whole, so a check that did not see it broken would prove nothing.
+    """
+    b, jobs = full_gpu(sims)
+    crashes = crash_roots(b, monkeypatch, tmp_path, write_late=True)
+    found = [d for root in crashes if (d := damaged(root, jobs))]
+    assert found and all(d.endswith("job a lost bytes") for d in found), found

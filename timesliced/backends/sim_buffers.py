@@ -21,13 +21,23 @@ Facts this relies on:
   module), so a buffer bigger than a region is cut to the region's exact size and the tail pages go
   back to the kernel.
 
-Every pool file lives in ``<root>/pool``; a park renames one into the job's parked folder (``rename(2)``
-within one file system is atomic), so a file is the pool's or a job's, never both. The pool holds no
-state: a daemon that starts deletes what an earlier one left there.
+A pool file lives in ``<root>/pool``, or where a restore left it: at its place in the restored job's
+parked folder (``keep``), so that the job's next park, which writes the same regions as a rule, takes
+it there without a rename (a ``rename(2)`` between folders cost a 1 MiB swap some 10-20 us of its
+170 at 6 GB/s). A park renames any other one into its job's parked folder (``rename(2)`` within one
+file system is atomic). A file is the pool's or a job's, never both: a resident job's parked folder
+holds only the pool's files, which a daemon that starts deletes with the folder (start-up removes the
+parked folders of resident jobs), as it deletes what an earlier one left in ``<root>/pool``. The pool
+holds no state.
+
+Whatever names a file (a rename, an unlink) happens under the pool's lock: a park that finds no
+buffer for a path creates a new file there, which must never be a file the pool is still moving or
+deleting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -62,14 +72,19 @@ class Buffer:
     ``close``. Raises ``OSError`` from ``open`` when the file cannot be mapped.
     """
 
-    def __init__(self, path: Path, m: mmap.mmap) -> None:
-        self.path = path
+    def __init__(self, path: str | Path, m: mmap.mmap) -> None:
+        # A string: a move compares and renames paths, and ``pathlib`` costs it microseconds per path.
+        self.name = os.fspath(path)
         self._map = m
         self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(m)  # pins the mapping while in use
         self.address = ctypes.addressof(self._anchor)
 
+    @property
+    def path(self) -> Path:
+        return Path(self.name)
+
     @classmethod
-    def open(cls, path: Path) -> Buffer:
+    def open(cls, path: str | Path) -> Buffer:
         """Map a complete parked file (its size is the region's) and populate its page tables."""
         fd = os.open(path, os.O_RDWR)
         try:
@@ -87,9 +102,9 @@ class Buffer:
     def size(self) -> int:
         return len(self._map)
 
-    def rename(self, path: Path) -> None:
-        os.rename(self.path, path)
-        self.path = path
+    def rename(self, path: str | Path) -> None:
+        os.rename(self.name, path)
+        self.name = os.fspath(path)
 
     def cut(self, size: int) -> None:
         """Make the file (and the mapping) exactly ``size`` bytes, ``size`` at most its size."""
@@ -134,75 +149,125 @@ class BufferPool:
         for stray in self.folder.iterdir():
             stray.unlink(missing_ok=True)
 
-    def take(self, size: int, path: Path) -> Buffer | None:
-        """The smallest buffer of at least ``size`` bytes, cut to ``size`` and renamed to ``path``; None if none.
+    def take(self, size: int, path: str | Path) -> Buffer | None:
+        """A buffer of at least ``size`` bytes, cut to ``size`` and at ``path``; None if none.
 
-        None also gives back at least ``size`` bytes of buffers (oldest first; all, if fewer): the
-        caller then writes a new file of ``size`` bytes in the room they leave.
+        The one kept at ``path`` (``keep``) if it is big enough, else the smallest that is, renamed
+        to ``path``. A buffer kept at ``path`` that is too small is deleted: the file there is the
+        park's now. None also gives back at least ``size`` bytes of buffers (oldest first; all, if
+        fewer): the caller then writes a new file of ``size`` bytes at ``path``, in the room they leave.
 
         The buffer leaves the pool before the rename, so a crash in between leaves at most a stray
         file in the job's parked folder, which start-up removes as nobody's.
         """
         evicted: list[Buffer] = []
-        with self._lock:
-            fits = [b for b in self._free if b.size >= size]
-            if not fits:
-                # The park takes new pages: give back as much first, so that the pool and the parked
-                # state together never hold more than admission counted (the pool is room to it).
-                self.missed += 1
-                freed = 0
-                while self._free and freed < size:
-                    old = self._free.pop(0)
-                    self.bytes -= old.size
-                    freed += old.size
-                    evicted.append(old)
-            else:
-                buf = min(fits, key=lambda b: b.size)
-                self._free.remove(buf)
-                self.bytes -= buf.size
-                self.taken += 1
-        if not fits:
-            for old in evicted:
-                self._delete(old)
-            return None
+        path = os.fspath(path)
         try:
-            buf.rename(path)
+            with self._lock:
+                buf = self._choose(size, path, evicted)
+                if buf is None:
+                    return None
+                self.taken += 1
+                if buf.name != path:
+                    try:
+                        buf.rename(path)
+                    except BaseException:
+                        self._unlink(buf)
+                        evicted.append(buf)
+                        raise
+        finally:
+            for old in evicted:
+                old.close()
+        try:
             buf.cut(size)
         except BaseException:
             self._delete(buf)
             raise
         return buf
 
+    def _choose(self, size: int, path: str, evicted: list[Buffer]) -> Buffer | None:
+        """``take``'s buffer, out of the pool, or None (under the lock); what it deletes goes to ``evicted``."""
+        here = next((b for b in self._free if b.name == path), None)
+        if here is not None:
+            self._free.remove(here)
+            self.bytes -= here.size
+            if here.size >= size:
+                return here
+            self._unlink(here)  # the file at ``path`` is the park's now
+            evicted.append(here)
+        fits = [b for b in self._free if b.size >= size]
+        if fits:
+            buf = min(fits, key=lambda b: b.size)
+            self._free.remove(buf)
+            self.bytes -= buf.size
+            return buf
+        # The park takes new pages: give back as much first, so that the pool and the parked state
+        # together never hold more than admission counted (the pool is room to it).
+        self.missed += 1
+        freed = 0
+        while self._free and freed < size:
+            old = self._free.pop(0)
+            self.bytes -= old.size
+            freed += old.size
+            self._unlink(old)
+            evicted.append(old)
+        return None
+
     def give(self, buf: Buffer) -> None:
-        """Keep ``buf`` (a restored region's file) for a later park, or delete it when it does not fit the limit.
+        """Keep ``buf`` (a file nobody needs) for a later park in the pool's folder, or delete it past the limit.
 
         The oldest buffers go first to make room: they are the least likely to match the next park.
         """
-        if buf.size > self.limit:
-            self._delete(buf)
-            return
-        try:
-            buf.rename(self.folder / f"{uuid.uuid4().hex}.bin")
-        except OSError:
-            self._delete(buf)
-            return
+        self._add(buf, rename=True)
+
+    def keep(self, buf: Buffer) -> None:
+        """Keep ``buf``, a restored region's parked file, where it is (the job's next park takes it there).
+
+        Past the limit it is deleted, or the oldest buffers are, as ``give`` does.
+        """
+        self._add(buf, rename=False)
+
+    def forget(self, folder: Path, path: Path | None = None) -> None:
+        """Delete the buffers kept in ``folder`` (only the one at ``path``, if given): a job or region is gone."""
         with self._lock:
-            self._free.append(buf)
-            self.bytes += buf.size
-            evicted = []
-            while self.bytes > self.limit:
-                old = self._free.pop(0)
-                self.bytes -= old.size
-                evicted.append(old)
+            gone = [b for b in self._free if b.path.parent == folder and path in (None, b.path)]  # rare: ``Path``
+            for buf in gone:
+                self._free.remove(buf)
+                self.bytes -= buf.size
+                self._unlink(buf)
+        for buf in gone:
+            buf.close()
+
+    def _add(self, buf: Buffer, *, rename: bool) -> None:
+        evicted: list[Buffer] = []
+        with self._lock:
+            try:
+                if buf.size > self.limit:
+                    raise OSError(errno.EFBIG, "bigger than the pool")
+                if rename:
+                    buf.rename(self.folder / f"{uuid.uuid4().hex}.bin")
+            except OSError:
+                self._unlink(buf)
+                evicted.append(buf)
+            else:
+                self._free.append(buf)
+                self.bytes += buf.size
+                while self.bytes > self.limit:
+                    old = self._free.pop(0)
+                    self.bytes -= old.size
+                    self._unlink(old)
+                    evicted.append(old)
         for old in evicted:
-            self._delete(old)
+            old.close()
 
     def drop(self) -> int:
         """Delete every buffer (their pages go back to the kernel); returns the bytes freed."""
         with self._lock:
             gone, self._free, freed, self.bytes = self._free, [], self.bytes, 0
+            for buf in gone:
+                self._unlink(buf)
         for buf in gone:
-            self._delete(buf)
+            buf.close()
         return freed
 
     def describe(self) -> schema.SimPool:
@@ -212,7 +277,13 @@ class BufferPool:
     def close(self) -> None:
         self.drop()
 
-    @staticmethod
-    def _delete(buf: Buffer) -> None:
+    def _delete(self, buf: Buffer) -> None:
+        with self._lock:
+            self._unlink(buf)
         buf.close()
-        buf.path.unlink(missing_ok=True)
+
+    @staticmethod
+    def _unlink(buf: Buffer) -> None:
+        """Remove the buffer's file (under the lock: nothing else names a file there meanwhile); unmap it after."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(buf.name)

@@ -8,10 +8,12 @@ The daemon's side (arenas, parking, restoring) is the ``sim`` backend.
 # uses both at once). 2 GB/s because the sim must honour it on a small machine at every size, from its
 # first switch on: a park into pages the tmpfs allocates afresh (no warm buffer in the pool yet) runs
 # at about 3 GB/s on a 2-core machine (``timesliced bench copy``: 2.8-3.6 GB/s here, against a
-# warm-copy ceiling of 7-11 GB/s as the machine is loaded), and a 1 MiB swap's fixed costs (some
-# 0.3 ms) fit in its 0.5 ms only up to about that. Once the pool is warm, lone moves of 16 MiB and
-# more follow models up to about 0.9 of the warm ceiling, and swaps up to about half of it (their two
-# directions copy at once, on two cores). A real PCIe link is faster (about 25 GB/s for PCIe 4.0
+# warm-copy ceiling of 7-11 GB/s as the machine is loaded). Once the pool is warm, lone moves of any
+# size follow models up to about the ceiling of copies in the sim's chunks, swaps of 16 MiB and more
+# up to about 6 GB/s (their two directions copy at once, on two cores), and 1 MiB swaps up to about
+# 5 GB/s: their two copies run one after the other in one thread (handing one to another thread costs
+# more than it), and with three control-file commits and the rest they take some 0.2-0.25 ms
+# (``timesliced bench copy``). A real PCIe link is faster (about 25 GB/s for PCIe 4.0
 # x16), so a switch on the sim costs more than on a GPU: a benchmark on the sim shows the daemon's
 # switch costs with a modest link, never page faults.
 DEFAULT_BANDWIDTH = 2e9

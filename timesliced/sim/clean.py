@@ -25,7 +25,7 @@ from pathlib import Path
 from .. import errors
 from ..env import default_sim_dir, default_state_dir
 from ..util.parse import human_size
-from .layout import LOCK_NAME, POOL_NAME
+from .layout import LOCK_NAME, POOL_NAME, RESIDENT, job_key, read_ctl
 
 ARENA_SUFFIX = ".arena"
 KNOWN_DIRS = ("jobs", "parked", POOL_NAME)
@@ -60,6 +60,25 @@ def clean(root: Path) -> Cleaned:
         ) from None
 
 
+def _parked_regions(root: Path) -> int:
+    """The parked copies of regions under ``root``: the files in the parked folders of jobs not resident.
+
+    A resident job's folder holds only files of the daemon's pool of warm buffers (what its restores
+    left there for its next park), no state.
+    """
+    if not (root / "parked").is_dir():
+        return 0
+    resident = set()
+    for path in (root / "jobs").glob("*.ctl") if (root / "jobs").is_dir() else ():
+        try:
+            header, slot, _ = read_ctl(path)
+        except (OSError, ValueError):
+            continue  # unreadable: its files count as parked
+        if slot.state == RESIDENT and header.gen % 2 == 0:
+            resident.add(job_key(header.job))
+    return sum(1 for f in (root / "parked").glob("*/*.bin") if f.parent.name not in resident)
+
+
 def _clean(root: Path) -> Cleaned:
     lock = root / LOCK_NAME
     try:
@@ -76,7 +95,7 @@ def _clean(root: Path) -> Cleaned:
                     "(its state is kept for its next start), then run `timesliced sim clean` again"
                 ) from None
         jobs = len(list((root / "jobs").glob("*.ctl"))) if (root / "jobs").is_dir() else 0
-        parked = len(list((root / "parked").glob("*/*.bin"))) if (root / "parked").is_dir() else 0
+        parked = _parked_regions(root)
         nbytes, kept = 0, []
         for entry in sorted(root.iterdir()):
             if entry.name == LOCK_NAME:

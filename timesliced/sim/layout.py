@@ -42,6 +42,7 @@ changed" (say, a sibling region was allocated) from "my region moved".
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -243,17 +244,27 @@ def _slot_capacity(nbytes: int) -> int:
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
+    n = os.pwrite(fd, data, offset)  # the whole of it, as a rule: the loop is for a write cut short
+    if n == len(data):
+        return
+    view = memoryview(data)[n:]
+    offset += n
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
 
 
 class CtlWriter:
-    """The daemon's handle on one control file: it alone writes it, one whole table at a time."""
+    """The daemon's handle on one control file: it alone writes it, one whole table at a time.
 
-    def __init__(self, path: Path, gen: int, slots: list[tuple[int, int, int]], size: int) -> None:
+    It keeps the file open from its creation (or adoption) to ``close``: a commit is then three or
+    four ``pwrite`` calls and no ``open`` or ``close``, which a 1 MiB move, some 170 us at 6 GB/s,
+    takes two or three of. Raises ``OSError`` from ``create``, ``adopt`` and ``commit``.
+    """
+
+    def __init__(self, path: Path, fd: int, gen: int, slots: list[tuple[int, int, int]], size: int) -> None:
         self.path = path
+        self._fd = fd
         self._gen = gen
         self._slots = slots
         self._size = size
@@ -268,40 +279,46 @@ class CtlWriter:
         slots = [(start, cap, len(body)), (0, 0, 0)]
         header = HEADER.pack(MAGIC, 0, VERSION, gpus, capacity, page_size, len(name), 0, *slots[0], *slots[1])
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, start + cap)
             _pwrite_all(fd, header + name, 0)
             _pwrite_all(fd, body, start)
-        finally:
+            os.rename(tmp, path)  # the descriptor follows the file to its name
+        except BaseException:
             os.close(fd)
-        os.rename(tmp, path)
-        return cls(path, 0, slots, start + cap)
+            raise
+        return cls(path, fd, 0, slots, start + cap)
 
     @classmethod
     def adopt(cls, path: Path, header: CtlHeader, size: int) -> CtlWriter:
-        return cls(path, header.gen, list(header.slots), size)
+        return cls(path, os.open(path, os.O_RDWR), header.gen, list(header.slots), size)
 
     def commit(self, slot: SlotData) -> None:
         """Publish a new table: write the idle slot, then flip ``gen`` to make it the committed one."""
         body = encode_slot(slot)
         gen = self._gen
         target = 1 - ((gen >> 1) & 1)
-        fd = os.open(self.path, os.O_RDWR)
-        try:
-            if gen % 2 == 0:
-                gen += 1
-                _pwrite_all(fd, GEN.pack(gen), GEN_OFFSET)
-                self._gen = gen
-            off, cap, _ = self._slots[target]
-            if len(body) > cap:
-                off, cap = self._size, _slot_capacity(len(body))
-                os.ftruncate(fd, off + cap)  # grow only: clients may have the tail mapped
-                self._size = off + cap
-            _pwrite_all(fd, body, off)
-            _pwrite_all(fd, SLOT_DESC.pack(off, cap, len(body)), SLOT_DESC_OFFSETS[target])
-            self._slots[target] = (off, cap, len(body))
-            _pwrite_all(fd, GEN.pack(gen + 1), GEN_OFFSET)
-            self._gen = gen + 1
-        finally:
+        fd = self._fd
+        if fd < 0:
+            raise OSError(errno.EBADF, f"the writer of {self.path} is closed")
+        if gen % 2 == 0:
+            gen += 1
+            _pwrite_all(fd, GEN.pack(gen), GEN_OFFSET)
+            self._gen = gen
+        off, cap, _ = self._slots[target]
+        if len(body) > cap:
+            off, cap = self._size, _slot_capacity(len(body))
+            os.ftruncate(fd, off + cap)  # grow only: clients may have the tail mapped
+            self._size = off + cap
+        _pwrite_all(fd, body, off)
+        _pwrite_all(fd, SLOT_DESC.pack(off, cap, len(body)), SLOT_DESC_OFFSETS[target])
+        self._slots[target] = (off, cap, len(body))
+        _pwrite_all(fd, GEN.pack(gen + 1), GEN_OFFSET)
+        self._gen = gen + 1
+
+    def close(self) -> None:
+        """Close the file (it stays on disk); a later ``commit`` raises ``OSError``."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
             os.close(fd)
