@@ -18,9 +18,10 @@ import pytest
 
 import timesliced
 from timesliced import errors
-from timesliced.client.directives import Room
+from timesliced.client.directives import Rooms
 from timesliced.client.session import ClientSession
 from timesliced.config import DaemonConfig
+from timesliced.daemon.embedded import EmbeddedDaemon
 
 from ..helpers.daemon import serving
 
@@ -29,8 +30,11 @@ pytestmark = pytest.mark.slow
 DIRECTIVE = 99
 
 
-def wait_in_room(room: Room) -> tuple[threading.Thread, list[str]]:
+def wait_in_room(rooms: Rooms) -> tuple[threading.Thread, list[str]]:
     """A streamed unpark's worker waiting for its next region's room; the list gets why the wait ended."""
+    rooms.opened({"directive": DIRECTIVE, "room": {"0": 0}})  # what an ``offload`` unpark push with room does
+    room = rooms.room(DIRECTIVE)
+    assert room is not None
     ended: list[str] = []
 
     def take() -> None:
@@ -44,8 +48,11 @@ def wait_in_room(room: Room) -> tuple[threading.Thread, list[str]]:
     return t, ended
 
 
-def silence_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The client stops its pings: the daemon's lease expires and it closes the connection with an error."""
+def end_connection(how: str, daemon: EmbeddedDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon stops, or (its pings silenced) the client's lease expires and the daemon closes with an error."""
+    if how == "daemon_stops":
+        daemon.stop()
+        return
     send = ClientSession._send_untracked
 
     def quiet(self: ClientSession, op: str, args: dict[str, Any] | None, now: float) -> None:
@@ -61,14 +68,8 @@ def test_a_sync_clients_room_ends_with_its_connection(how: str, tmp_path: Path, 
         client = timesliced.Client("a", "g", address=daemon.socket)
         try:
             client.connect()
-            client._rooms.opened({"directive": DIRECTIVE, "room": {"0": 0}})  # an unpark push with room does this
-            room = client._rooms.room(DIRECTIVE)
-            assert room is not None
-            t, ended = wait_in_room(room)
-            if how == "lease_expires":
-                silence_heartbeats(monkeypatch)
-            else:
-                daemon.stop()
+            t, ended = wait_in_room(client._rooms)
+            end_connection(how, daemon, monkeypatch)
             t.join(10)
             if how == "lease_expires":
                 assert daemon.daemon is not None and daemon.daemon.server.counters["leases_expired"] >= 1
@@ -85,14 +86,8 @@ def test_an_async_clients_room_ends_with_its_connection(how: str, tmp_path: Path
             client = timesliced.AsyncClient("a", "g", address=daemon.socket)
             try:
                 await client.connect()
-                client._rooms.opened({"directive": DIRECTIVE, "room": {"0": 0}})
-                room = client._rooms.room(DIRECTIVE)
-                assert room is not None
-                t, ended = wait_in_room(room)
-                if how == "lease_expires":
-                    silence_heartbeats(monkeypatch)
-                else:
-                    daemon.stop()
+                t, ended = wait_in_room(client._rooms)
+                end_connection(how, daemon, monkeypatch)
                 for _ in range(100):
                     await asyncio.sleep(0.1)
                     if not t.is_alive():
