@@ -87,8 +87,10 @@ class Client(ShellBase):
     and one lock through which every thread hands the session its inputs. A
     caller that waits for an answer on an open connection reads the socket
     itself, so the kernel wakes the waiting thread directly (one thread wake
-    per answer instead of two); the reader thread reads whenever no caller
-    does, for the daemon's pushes and directives.
+    per answer instead of two), unless it is the main thread, where a
+    signal's exception could land between the read and the core; the reader
+    thread reads whenever no caller does, for the daemon's pushes and
+    directives.
     """
 
     def _start_io(self) -> None:
