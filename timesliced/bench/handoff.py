@@ -22,7 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -387,27 +388,23 @@ def _handoffs(
     return handoffs, [s[2] for s in slices], solo
 
 
-class _noop_server:
+@contextmanager
+def _noop_server() -> Iterator[str]:
     """``with _noop_server() as address:`` a ``noop_lock_server`` process listening there."""
-
-    def __enter__(self) -> str:
-        self.folder = tempfile.mkdtemp(prefix="timesliced-noop-")
-        path = os.path.join(self.folder, "noop.sock")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "timesliced.bench.handoff", "--noop", path], stdout=subprocess.PIPE
-        )
-        assert self.proc.stdout is not None
-        if self.proc.stdout.readline() != b"ready\n":
-            self.__exit__()
+    folder = tempfile.mkdtemp(prefix="timesliced-noop-")
+    path = os.path.join(folder, "noop.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "timesliced.bench.handoff", "--noop", path], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline() != b"ready\n":
             raise RuntimeError("the no-op lock server did not start")
-        return path
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        yield path
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def format_handoff(r: dict[str, Any]) -> str:
