@@ -6,6 +6,7 @@ open: the holder, the queue and the timeline must change without a reload.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -32,7 +33,10 @@ SCALE = 0.6  # every phase of the demo jobs, shortened
 @pytest.fixture
 def running_demo() -> Iterator[EmbeddedDaemon]:
     with EmbeddedDaemon(gpus=demo.GPUS, gpu_memory=demo.GPU_MEMORY, web=("127.0.0.1", 0)) as d:
-        procs = [demo._spawn(spec, d.socket, SCALE, "") for spec in demo.WORKLOAD]
+        # Far more iterations than the test watches for: the jobs still take turns whatever a slow
+        # machine's page loads take (the fixture stops them when the test ends).
+        workload = [dataclasses.replace(spec, iterations=spec.iterations * 10) for spec in demo.WORKLOAD]
+        procs = [demo._spawn(spec, d.socket, SCALE, "") for spec in workload]
         try:
             yield d
         finally:
