@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -116,10 +117,13 @@ def test_gang_holds_both_pools_or_neither(daemon: EmbeddedDaemon) -> None:
         assert group(rival, "trainers")["holder"] is None and group(rival, "samplers")["holder"] is None
 
 
-def test_a_process_that_holds_the_trainers_gets_the_samplers_before_a_gang(daemon: EmbeddedDaemon) -> None:
-    """This process holds the trainers' pool and asks for the samplers' by a single acquire, while a
-    gang of another party waits for the trainers' pool and keeps the free samplers' pool: kept behind
-    the gang, the acquire would wait for ever (the trainers' pool is let go only after it)."""
+@contextmanager
+def trainer_with_a_gang_waiting(
+    daemon: EmbeddedDaemon,
+) -> Iterator[tuple[timesliced.Client, timesliced.Client, list[str], threading.Thread]]:
+    """This process holds the trainers' pool (``trainer``; ``sampler`` is its samplers' client) while a
+    gang of another party waits for the trainers' pool and keeps the free samplers' pool; the list gets
+    the gang's groups once it is granted, in the thread."""
     sock = str(daemon.socket)
     with (
         timesliced.Client("trainer", "trainers", address=sock, gpus=[0]) as trainer,
@@ -128,7 +132,7 @@ def test_a_process_that_holds_the_trainers_gets_the_samplers_before_a_gang(daemo
         timesliced.Client("gs", "samplers", address=sock, gpus=[1], party="other-run") as gs,
     ):
         trainer.acquire()
-        got: list[Any] = []
+        got: list[str] = []
 
         def other_run() -> None:
             with timesliced.gang(gt, gs, timeout=20.0) as grants:
@@ -137,6 +141,14 @@ def test_a_process_that_holds_the_trainers_gets_the_samplers_before_a_gang(daemo
         t = threading.Thread(target=other_run)
         t.start()
         wait_for(lambda: "gang" in (group(trainer, "samplers")["waiting_for"] or ""))
+        yield trainer, sampler, got, t
+
+
+def test_a_process_that_holds_the_trainers_gets_the_samplers_before_a_gang(daemon: EmbeddedDaemon) -> None:
+    """This process holds the trainers' pool and asks for the samplers' by a single acquire, while a
+    gang of another party waits for the trainers' pool and keeps the free samplers' pool: kept behind
+    the gang, the acquire would wait for ever (the trainers' pool is let go only after it)."""
+    with trainer_with_a_gang_waiting(daemon) as (trainer, sampler, got, t):
         assert group(trainer, "samplers")["holder"] is None
         sampler.acquire(timeout=10.0)  # the weight sync: both pools, the trainers' first
         assert daemon.daemon is not None
@@ -152,23 +164,7 @@ def test_a_process_that_hands_its_pools_over_is_refused_a_second_pass(daemon: Em
     """The hand-off of one process: it holds the samplers' pool (got before the gang) and asks for the
     trainers' again. Passing the gang a second time while it holds one of its pools would starve the
     gang, so the acquire fails at once with ``GangWaiting``; once the process lets go, the gang goes."""
-    sock = str(daemon.socket)
-    with (
-        timesliced.Client("trainer", "trainers", address=sock, gpus=[0]) as trainer,
-        timesliced.Client("sampler", "samplers", address=sock, gpus=[1]) as sampler,
-        timesliced.Client("gt", "trainers", address=sock, gpus=[0], party="other-run") as gt,
-        timesliced.Client("gs", "samplers", address=sock, gpus=[1], party="other-run") as gs,
-    ):
-        trainer.acquire()
-        got: list[Any] = []
-
-        def other_run() -> None:
-            with timesliced.gang(gt, gs, timeout=20.0) as grants:
-                got.extend(g.group for g in grants)
-
-        t = threading.Thread(target=other_run)
-        t.start()
-        wait_for(lambda: "gang" in (group(trainer, "samplers")["waiting_for"] or ""))
+    with trainer_with_a_gang_waiting(daemon) as (trainer, sampler, got, t):
         sampler.acquire(timeout=10.0)  # the first pass
         trainer.release()
         wait_for(lambda: "gang" in (group(trainer, "trainers")["waiting_for"] or ""))
