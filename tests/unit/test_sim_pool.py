@@ -241,18 +241,23 @@ def warm_pool(sims: Sims) -> tuple[SimBackend, list[tuple[RegionInfo, bytes]]]:
     return b, [(info, fill(sims, info, 3))]
 
 
-def test_a_tmpfs_full_of_the_pool_gives_the_pool_back_and_the_park_goes_on(
-    sims: Sims, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    b, c = warm_pool(sims)
+def full_while_pooled(b: SimBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tmpfs is full (``ENOSPC`` for new pages) for as long as ``b``'s pool holds anything."""
     fallocate = sim._fallocate
 
-    def full_while_pooled(fd: int, offset: int, length: int) -> None:
+    def fallocate_unless_pooled(fd: int, offset: int, length: int) -> None:
         if b.pool.bytes:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         fallocate(fd, offset, length)
 
-    monkeypatch.setattr(sim, "_fallocate", full_while_pooled)
+    monkeypatch.setattr(sim, "_fallocate", fallocate_unless_pooled)
+
+
+def test_a_tmpfs_full_of_the_pool_gives_the_pool_back_and_the_park_goes_on(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b, c = warm_pool(sims)
+    full_while_pooled(b, monkeypatch)
     asyncio.run(b.snapshot("c"))  # no buffer fits 3 pages: two go back, then the rest for the room
     assert b.job_state("c") == "parked" and b.pool.bytes == 0
     asyncio.run(b.restore("c"))
@@ -282,14 +287,7 @@ def test_device_pages_on_a_tmpfs_full_of_the_pool_get_the_pool_back(
     sims: Sims, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     b, _ = warm_pool(sims)
-    fallocate = sim._fallocate
-
-    def full_while_pooled(fd: int, offset: int, length: int) -> None:
-        if b.pool.bytes:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        fallocate(fd, offset, length)
-
-    monkeypatch.setattr(sim, "_fallocate", full_while_pooled)
+    full_while_pooled(b, monkeypatch)
     info = b.alloc("d", 1, 4 * PAGE)  # gpu 1's pages were never allocated: they need room
     assert info.nbytes == 4 * PAGE and b.pool.bytes == 0
 
