@@ -143,15 +143,19 @@ def test_thousands_of_connections_open_and_close(daemon: EmbeddedDaemon, bystand
             s.close()
 
     threads = [threading.Thread(target=churn, args=(500,)) for _ in range(4)]
-    held = [Raw(daemon.socket) for _ in range(200)]  # and many open at once
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for h in held:
-        h.hello()
-    for h in held:
-        h.close()
+    held = [Raw(daemon.socket) for _ in range(200)]  # and many open at once, through the churn
+    try:
+        for h in held:
+            h.hello()  # first: a slow machine's churn may outlast the handshake's timeout
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for rid, h in enumerate(held, start=1):
+            assert h.call(rid, "ping")["ok"]
+    finally:
+        for h in held:
+            h.close()
     assert_bystander_fine(bystander)
     counters = bystander.status()["counters"]
     # All from this one process: past 256 at once it is refused (the daemon accepts a burst of
