@@ -1,11 +1,13 @@
 """The simulated GPU backends and client regions of one test, and the fixtures that make and close them.
 
-The fixtures (``root``, ``sims``) are registered for every test by ``tests/conftest.py``.
+The fixtures (``root``, ``sims``, and the session's sweep of simulated GPU state) are registered for
+every test by ``tests/conftest.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 
 from timesliced.backends.sim import SimBackend
+from timesliced.env import default_sim_dir
 from timesliced.sim.layout import RegionInfo, read_ctl
 from timesliced.sim.region import SimRegion
 
@@ -47,6 +50,18 @@ class Sims:
             r.close()
         for b in self._backends:
             b.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_sim_state_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Removes, when the session ends, the simulated GPU state of every state dir the tests made.
+
+    A daemon keeps that state (tmpfs, so host memory) when it stops, on purpose; a test's state dir
+    goes with the test's temp folder, so what its daemon left would hold memory until a reboot.
+    """
+    yield
+    for folder, _, _ in os.walk(tmp_path_factory.getbasetemp()):
+        shutil.rmtree(default_sim_dir(Path(folder)), ignore_errors=True)
 
 
 @pytest.fixture

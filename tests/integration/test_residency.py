@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +15,14 @@ from timesliced import errors
 from timesliced.config import DaemonConfig
 from timesliced.daemon.embedded import EmbeddedDaemon
 
+from ..helpers.daemon import serving
+
 MiB = 1 << 20
 
 
-def started(tmp_path: Path, **kw: Any) -> EmbeddedDaemon:
+@contextmanager
+def started(tmp_path: Path, **kw: Any) -> Iterator[EmbeddedDaemon]:
+    """A daemon on one 64 MiB simulated GPU for the block; its simulated GPU's files go with it."""
     config = DaemonConfig(
         state_dir=tmp_path / "state",
         backend="sim",
@@ -29,15 +33,8 @@ def started(tmp_path: Path, **kw: Any) -> EmbeddedDaemon:
         memory_headroom=4 * MiB,
         **kw,
     )
-    d = EmbeddedDaemon(config)
-    d.start()
-    return d
-
-
-@pytest.fixture
-def state(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path
-    shutil.rmtree(tmp_path / "state", ignore_errors=True)
+    with serving(config) as daemon:
+        yield daemon
 
 
 def hand_off(daemon: EmbeddedDaemon) -> tuple[Any, Any, dict[str, Any]]:
@@ -62,9 +59,8 @@ def hand_off(daemon: EmbeddedDaemon) -> tuple[Any, Any, dict[str, Any]]:
         return b, a_grant, st
 
 
-def test_two_declared_jobs_hand_off_without_moving(state: Path) -> None:
-    daemon = started(state)
-    try:
+def test_two_declared_jobs_hand_off_without_moving(tmp_path: Path) -> None:
+    with started(tmp_path) as daemon:
         _, grant, st = hand_off(daemon)
         assert grant.restored is False  # b's memory and a's fit together: nothing moved
         jobs = {j["job"]: j for j in st["jobs"]}
@@ -72,39 +68,30 @@ def test_two_declared_jobs_hand_off_without_moving(state: Path) -> None:
         assert sum(j["bytes_moved"] for j in jobs.values()) == 0
         assert jobs["a"]["declared"] == {"0": 8 * MiB} and jobs["b"]["declared"] == {"0": 8 * MiB}
         assert jobs["a"]["over_declared_bytes"] == 0
-    finally:
-        daemon.stop()
 
 
-def test_park_every_handoff_parks_even_when_both_fit(state: Path) -> None:
+def test_park_every_handoff_parks_even_when_both_fit(tmp_path: Path) -> None:
     """The comparison mode: the same workload moves at every handoff (so the test above can fail)."""
-    daemon = started(state, park_every_handoff=True)
-    try:
+    with started(tmp_path, park_every_handoff=True) as daemon:
         _, grant, st = hand_off(daemon)
         assert grant.restored is True
         assert sum(j["bytes_moved"] for j in st["jobs"]) > 0
-    finally:
-        daemon.stop()
 
 
-def test_a_wrong_declaration_is_refused_with_what_to_do(state: Path) -> None:
-    daemon = started(state)
-    try:
+def test_a_wrong_declaration_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    with started(tmp_path) as daemon:
         with pytest.raises(ValueError, match="size"):
             timesliced.Client(job="a", group="g", address=daemon.socket, memory="lots")
         c = timesliced.Client(job="a", group="g", address=daemon.socket, memory={3: "1GiB"})
         with pytest.raises(errors.BadRequest, match="GPU 3"):
             c.connect()
         c.close()
-    finally:
-        daemon.stop()
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_switch_that_needs_the_outgoing_jobs_room_swaps_both_ways_at_once(state: Path, stream: bool) -> None:
+def test_a_switch_that_needs_the_outgoing_jobs_room_swaps_both_ways_at_once(tmp_path: Path, stream: bool) -> None:
     """Two 40 MiB sim jobs on a 64 MiB GPU: each handoff parks one to restore the other, in one swap."""
-    daemon = started(state, stream_switches=stream)
-    try:
+    with started(tmp_path, stream_switches=stream) as daemon:
         with (
             timesliced.Client(job="a", group="g", address=daemon.socket) as a,
             timesliced.Client(job="b", group="g", address=daemon.socket) as b,
@@ -126,5 +113,3 @@ def test_a_switch_that_needs_the_outgoing_jobs_room_swaps_both_ways_at_once(stat
             assert {r["direction"] for r in recent if r["swap_with"]} == {"to_host", "to_device"}
         else:
             assert swapped == []  # the same switch as a snapshot, then a restore
-    finally:
-        daemon.stop()

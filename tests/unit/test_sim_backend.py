@@ -328,6 +328,31 @@ def test_reclaim_forgets_the_job_entirely(sims: Sims) -> None:
     assert b.alloc("live", 0, PAGE).region == 1  # a new job of the same name starts afresh
 
 
+def test_a_backend_closed_with_no_jobs_state_left_removes_its_files(sims: Sims) -> None:
+    """Nothing to come back to: the arenas and folders go, so a stopped daemon holds no host memory."""
+    b = sims.backend()
+    b.alloc("a", 0, 4 * PAGE)
+    asyncio.run(b.snapshot("a"))
+    asyncio.run(b.reclaim("a"))
+    (b.root / "notes.txt").write_text("not the simulated GPU's")
+    b.close()
+    assert sorted(p.name for p in b.root.iterdir()) == ["daemon.lock", "notes.txt"]  # not its own: kept
+    (b.root / "notes.txt").unlink()
+    sims.backend().close()
+    assert not b.root.exists()
+
+
+def test_a_backend_closed_with_a_jobs_state_keeps_every_file(sims: Sims) -> None:
+    b = sims.backend()
+    b.alloc("a", 0, 4 * PAGE)
+    b.alloc("b", 1, 4 * PAGE)
+    asyncio.run(b.snapshot("b"))
+    asyncio.run(b.reclaim("a"))
+    b.close()
+    assert {"gpu0.arena", "gpu1.arena", "jobs", "parked"} <= {p.name for p in b.root.iterdir()}
+    assert sims.backend().recovered_jobs() == {"b": ("parked", {1: 4 * PAGE})}
+
+
 # --- failures ------------------------------------------------------------------------
 
 

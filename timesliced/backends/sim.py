@@ -38,6 +38,7 @@ from timesliced import errors
 from timesliced.backends.base import DeviceInfo, JobTarget, MoveResult, SwapResult, job_name
 from timesliced.backends.sim_buffers import Buffer, BufferPool
 from timesliced.sim import COPY_CHUNK, DEFAULT_BANDWIDTH, DEFAULT_POOL
+from timesliced.sim.clean import clean
 from timesliced.sim.layout import (
     FAULTED,
     LOCK_NAME,
@@ -350,11 +351,13 @@ class SimBackend:
         except BlockingIOError:
             self._unlock()
             raise errors.BackendError(f"sim root {self.root} is in use by another daemon") from None
+        self._started = False  # until then, state found here may be another configuration's: close keeps it
         try:
             self._start_up()
         except BaseException:
             self.close()
             raise
+        self._started = True
 
     # --- queries ---------------------------------------------------------------------
 
@@ -530,7 +533,12 @@ class SimBackend:
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
-        """Stop moves in flight and unmap; parked files and control files stay for the next start."""
+        """Stop moves in flight and unmap; parked files and control files stay for the next start.
+
+        With no job's state left (every job reclaimed, or none ever allocated) nothing is there to come
+        back to: the root's files are removed, so a daemon that stops (or fails to start) holds no
+        host memory after it.
+        """
         with self._lock:
             moves = [j.move for j in self._jobs.values() if j.move is not None]
         for m in moves:
@@ -560,7 +568,12 @@ class SimBackend:
             with contextlib.suppress(BufferError):
                 arena.close()
         self._views, self._arenas = [], []
+        idle = self._started and not self._jobs and all(m.done.is_set() for m in moves)
+        self._started = False  # a second close leaves the root alone: another daemon may hold it by then
         self._unlock()
+        if idle:
+            with contextlib.suppress(errors.BackendError):  # a daemon started on the root meanwhile: it is its
+                clean(self.root)
 
     # --- swap: a park and a restore streamed at once -----------------------------------
 

@@ -2,9 +2,10 @@
 
 The simulated GPU keeps its device memory and parked copies in files on tmpfs (``/dev/shm``, one
 directory per state dir, ``env.default_sim_dir``): an arena per GPU, a control file per job and
-the parked regions. They are kept on purpose when a daemon stops, cleanly or not: the next daemon
-started with the same state dir takes them up, so jobs that come back find their state (and the
-simulated state that no job of its journal owns is reclaimed then). What is left where no daemon
+the parked regions. They are kept on purpose when a daemon stops with jobs' state in them, cleanly
+or not: the next daemon started with the same state dir takes them up, so jobs that come back find
+their state (and the simulated state that no job of its journal owns is reclaimed then). A daemon
+that stops with none removes them itself, with ``clean``. What is left where no daemon
 will start again holds host memory until the node reboots; this removes it.
 
 It refuses while a daemon holds the directory: the daemon's lock on ``daemon.lock`` (an ``flock``
