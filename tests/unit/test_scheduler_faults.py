@@ -28,10 +28,12 @@ from timesliced.core.events import (
     SnapshotJob,
 )
 from timesliced.core.policy import QueuePolicy
+from timesliced.core.scheduler import Scheduler
 from timesliced.core.slices import SlicePolicy
 from timesliced.core.undo import Fields, Journal
 
 from ..helpers.harness import Fault, Faults, Harness, holding, only, two_jobs_one_parked
+from ..helpers.turns import kept, settle, three_jobs
 
 Step = Callable[[Harness], Any]
 
@@ -247,6 +249,20 @@ def a_release_forgets_a_partys_pass_and_grants_the_gang(h: Harness) -> Step:
     return lambda h: h.s.handle(ReleaseRequested(s["pt"]), h.now)  # P holds none of G's groups: G goes
 
 
+def a_kept_holder_back_passes_who_asked_since(h: Harness) -> Step:
+    """A's turn is kept (B waits), and C asks meanwhile: A's acquire is granted from its turn, and
+    marks C."""
+    h.s = Scheduler({0: 100}, anticipate_s=5.0)
+    s = three_jobs(h)
+    h.acquire(s["B"])
+    h.advance(1.0)
+    h.release(s["A"])
+    assert kept(settle(h))
+    h.acquire(s["C"])
+    h.advance(0.1)
+    return lambda h: h.s.handle(AcquireRequested(s["A"], 99, None), h.now)
+
+
 for _gang in (
     a_gang_completes_and_is_granted_whole,
     the_last_members_restore_grants_the_gang,
@@ -281,6 +297,7 @@ SCENARIOS: list[Callable[[Harness], Step]] = [
     a_party_passes_a_waiting_gang,
     a_partys_second_pass_of_a_gang_is_refused,
     a_release_forgets_a_partys_pass_and_grants_the_gang,
+    a_kept_holder_back_passes_who_asked_since,
 ]
 POLICIES = {"*": SlicePolicy(4.0, "preempt", grace=0.0)}
 
