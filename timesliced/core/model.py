@@ -56,8 +56,9 @@ class Gang:
     groups at the tail, under one place in the arrival order (``seq``) that every group shares.
     ``ready``: group -> (switch_s, restored, switched) of a member whose switch is done.
     ``passes``: party -> (group, seq) of the one single acquire of that party that went before the
-    gang in this wait (``Arbiter._passer``), until the party holds none of the gang's groups; all go
-    with the gang (granted or withdrawn).
+    gang in this wait (``Arbiter._passer``), until the party holds none of the gang's groups, or that
+    acquire stops waiting without a grant (``LockQueues.drop``); all go with the gang (granted or
+    withdrawn).
     """
 
     name: str

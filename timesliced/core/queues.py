@@ -204,6 +204,8 @@ class LockQueues:
             group.queue.remove(waiter)
         if waiter.gang is not None:
             self._withdraw_gang(waiter.gang)
+        elif self.gangs:
+            self._forget_pass(group, waiter)
 
     def fail(self, group: Group, waiter: Waiter, ticket: Ticket, error: errors.TimeslicedError) -> None:
         self.drop(group, waiter, ticket)
@@ -318,6 +320,24 @@ class LockQueues:
             waiter = self.find(group, ticket) if group is not None else None
             if group is not None and waiter is not None:
                 self.fail(group, waiter, ticket, error)
+
+    def _forget_pass(self, group: Group, waiter: Waiter) -> None:
+        """A request of ``waiter`` stopped waiting unanswered: a gang's pass that ``waiter`` was chosen
+        for, of a party none of whose requests it still has, was never taken, so it goes.
+
+        A pass is counted when its acquire is chosen (``Arbiter._choose``), before it may wait for
+        room or for its restore; the party's next acquire would be refused (``GangWaiting``) for a
+        pass it never made. Forgetting it costs the gang nothing: while the party holds another of
+        the gang's groups, the gang cannot be granted anyway, however often the party asks again.
+        """
+        place = (group.name, waiter.seq)
+        parties = self._registry.parties
+        for gang in self.gangs.values():
+            if not gang.passes:
+                continue
+            for party in [p for p, at in gang.passes.items() if at == place]:
+                if not any(parties.get(s) == party for s, _ in waiter.tickets):
+                    self._journal.delete(gang.passes, party)
 
     # --- time ------------------------------------------------------------------------
 
