@@ -45,7 +45,9 @@ class Waiter:
     seq: int = 0  # its place in the arrival order of all groups' waiters (``LockQueues.seq``)
     gang: str | None = None  # the gang it is a member of (core/gangs.py)
     anticipated: bool = False  # a turn kept at the head for the holder that just yielded (core/anticipation.py)
-    delayed: bool = False  # it waited while such a turn was kept: no other is kept before it is granted
+    # It was passed by such a turn in this wait (it asked when the turn was kept, or when the turn was
+    # granted to its holder): no other is kept before it is granted.
+    delayed: bool = False
 
 
 @dataclass
