@@ -9,12 +9,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from timesliced.core.events import GrantLock, MemoryRequested, SnapshotJob
-from timesliced.core.model import Waiter
+from timesliced.core.model import Group, Waiter
 from timesliced.core.policy import QueuePolicy
+from timesliced.core.queues import LockQueues
 from timesliced.core.scheduler import Scheduler
 
 from ..helpers.harness import Harness, only
-from ..helpers.turns import MOVE_S, anticipating, check_turns, kept, settle
+from ..helpers.turns import MOVE_S, anticipating, check_turns, kept, settle, three_jobs
 
 GAP_S = 0.1  # A's own time off the GPU between its phases, after the switch (1 s): gaps of 1.1 s
 
@@ -139,28 +140,7 @@ def test_under_priority_a_waiter_passed_by_a_kept_turn_is_not_passed_by_another(
     yield finds the policy's choice C unmarked: yet B, passed once in this wait, still waits, so no
     turn is kept and A is switched out."""
     h = anticipating(policy=QueuePolicy("priority", aging_s=1000.0))
-    s = {"A": h.register("A", "g", (0,)), "B": h.register("B", "g", (0,)), "C": h.register("C", "g", (0,), priority=1)}
-    for job in s:
-        h.acquire(s[job])
-        settle(h)
-        h.handle(MemoryRequested(s[job], h.rid(), 0, 60))  # 60 + 60 > 100: every hand-off parks
-        h.release(s[job])
-        settle(h)
-    keep_s, h.s.arbiter._anticipate_s = h.s.arbiter._anticipate_s, 0.0
-    h.acquire(s["A"])
-    settle(h)
-    for other in ("B", "C", "B", "C"):  # A's gaps and everyone's move times measured, nothing kept
-        h.acquire(s[other])
-        h.advance(1.0)
-        h.release(s["A"])
-        settle(h)
-        h.advance(GAP_S)
-        h.acquire(s["A"])
-        h.advance(1.0)
-        h.release(s[other])
-        settle(h)
-    h.s.arbiter._anticipate_s = keep_s
-    assert h.holder() == "A"
+    s = three_jobs(h, c_priority=1)
     h.acquire(s["B"])
     h.advance(1.0)
     h.release(s["A"])
@@ -174,6 +154,43 @@ def test_under_priority_a_waiter_passed_by_a_kept_turn_is_not_passed_by_another(
     effects = settle(h)
     assert kept(effects) == [] and [e.job for e in only(effects, SnapshotJob)] == ["A"]
     assert grants(effects) == ["C"] and h.queue() == ["B"]  # C by priority; B next, passed by one kept turn
+
+
+def test_a_waiter_that_asks_while_a_turn_is_kept_is_passed_by_it_once() -> None:
+    """C asks while A's turn is kept, and A, back within the window, goes before it: C is marked then
+    (not only B, there when the turn was kept), so once B is gone no turn is kept for A before C."""
+    h = anticipating()  # fifo
+    s = three_jobs(h)
+    b_rid = h.acquire(s["B"])
+    h.advance(1.0)
+    h.release(s["A"])
+    assert [e.data["passed"] for e in kept(settle(h))] == ["B"]  # B marked
+    h.acquire(s["C"])  # while A's turn is kept
+    assert [(w.job, w.delayed) for w in h.s.groups["g"].queue] == [("A", False), ("B", True), ("C", False)]
+    h.advance(GAP_S)
+    h.acquire(s["A"])
+    assert grants(settle(h)) == ["A"]  # its kept turn: it goes before C, who asked first
+    assert [(w.job, w.delayed) for w in h.s.groups["g"].queue] == [("B", True), ("C", True)]
+    h.cancel(s["B"], b_rid)  # B stops waiting: C, marked too, still stops a second kept turn
+    settle(h)
+    h.advance(1.0)
+    h.release(s["A"])
+    effects = settle(h)
+    assert kept(effects) == [] and [e.job for e in only(effects, SnapshotJob)] == ["A"] and grants(effects) == ["C"]
+
+
+def test_a_kept_turn_that_lapses_marks_nobody_who_asked_since() -> None:
+    """A kept turn that lapses passes nobody who asked during it: the switch goes to the head, and
+    C, who asked meanwhile, may yet be passed by one kept turn in its wait."""
+    h = anticipating(anticipate_s=0.8)
+    s = three_jobs(h)
+    h.acquire(s["B"])
+    h.release(s["A"])
+    assert [e.data["passed"] for e in kept(settle(h))] == ["B"]
+    h.acquire(s["C"])
+    h.timers(h.now + 0.8)
+    effects = settle(h)
+    assert grants(effects) == ["B"] and [(w.job, w.delayed) for w in h.s.groups["g"].queue] == [("C", False)]
 
 
 @pytest.mark.slow
@@ -195,5 +212,26 @@ def test_the_turn_check_keeps_turns_and_can_fail(monkeypatch: pytest.MonkeyPatch
     run()
     assert sum(seen) > 0
     monkeypatch.setattr(Waiter, "delayed", property(lambda self: False, lambda self, value: None))
+    with pytest.raises(AssertionError, match="kept waiting twice"):
+        run()
+
+
+def test_the_turn_check_counts_who_asks_while_a_turn_is_kept_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Were only the waiters there when a turn is kept marked (as before), one that asked during the
+    window, passed when the holder came back, would be passed by a second kept turn: the check
+    counts it, and fails."""
+    grant = LockQueues.grant
+
+    def grant_marking_nobody(self: LockQueues, group: Group, now: float) -> Waiter:
+        group.queue[0].anticipated = False  # popped next: the flag tells only ``grant`` to mark
+        return grant(self, group, now)
+
+    monkeypatch.setattr(LockQueues, "grant", grant_marking_nobody)
+
+    @settings(max_examples=300, deadline=None, database=None, phases=[Phase.generate], derandomize=True)
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        check_turns(data)
+
     with pytest.raises(AssertionError, match="kept waiting twice"):
         run()

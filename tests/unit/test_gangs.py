@@ -448,3 +448,82 @@ def test_a_party_that_let_all_of_the_gangs_groups_go_may_pass_it_again(harness: 
     h.release(s["ps"])
     h.release(s["pt"])
     assert grants(h) == {"t": "gt", "s": "gs"}
+
+
+def passer_waiting_for_room(harness: Make) -> tuple[Harness, dict[str, int]]:
+    """Party P holds ``t``; gang G waits for ``t`` and keeps ``s``; P's ``ps`` asks for ``s``, passes the
+    gang, and waits for room that the holder ``x`` of another group on GPU 1 takes."""
+    h = harness(FOUR)
+    s = {"ps": h.register("ps", "s", (1,), party="P"), "x": h.register("x", "x", (1,))}
+    s["ps2"] = h.register("ps", "s", (1,), party="P")  # another process of ``ps``, of the same party
+    h.acquire(s["ps"])
+    h.alloc(s["ps"], 60, 1)
+    h.release(s["ps"])
+    h.acquire(s["x"])
+    h.drain()
+    h.alloc(s["x"], 60, 1)  # parks idle ``ps`` for its room
+    (snap,) = only(h.drain(), SnapshotJob)
+    h.finish(snap, nbytes=60)
+    h.drain()
+    s |= {"pt": h.register("pt", "t", (0,), party="P"), "gt": h.register("gt", "t", (0,))}
+    s["gs"] = h.register("gs", "s", (1,))
+    h.acquire(s["pt"])
+    h.acquire(s["gt"], gang="G", members=2)
+    h.acquire(s["gs"], gang="G", members=2)
+    assert grants(h) == {"t": "pt"}
+    return h, s
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel", "closed"])
+def test_a_pass_whose_acquire_stops_waiting_before_its_grant_is_forgotten(harness: Make, how: str) -> None:
+    """The pass is counted when its acquire is chosen: one that then waits for room and gives up never
+    went before the gang, so the party's next ask is a first pass again, not refused (``GangWaiting``)."""
+    h, s = passer_waiting_for_room(harness)
+    rid = h.acquire(s["ps"], deadline=h.now + 5.0)
+    assert h.s.groups["s"].blocked == "ps" and h.queue("s") == ["ps", "gs"]
+    assert [e.event for e in h.drain()] == ["policy"]  # the pass, told
+    assert list(h.s.queues.gangs["G"].passes) == ["P"]
+    if how == "timeout":
+        h.timers(h.now + 5.0)
+    elif how == "cancel":
+        h.cancel(s["ps"], rid)
+    else:
+        h.close(s["ps"])
+    h.drain()
+    assert h.s.queues.gangs["G"].passes == {} and h.holder("s") is None and h.holder("t") == "pt"
+    h.acquire(s["ps2"])  # P asks again, still holding ``t``
+    effects = h.drain()
+    assert not refusals(effects) and [e.event for e in only(effects, NotifyJob)] == ["policy"]  # a first pass
+    assert h.s.groups["s"].blocked == "ps" and h.queue("s") == ["ps", "gs"]
+    h.release(s["x"])
+    (snap,) = only(h.drain(), SnapshotJob)
+    h.finish(snap, nbytes=60)
+    (restore,) = only(h.drain(), RestoreJob)
+    h.finish(restore)
+    assert grants(h) == {"s": "ps"}
+    h.release(s["ps2"])
+    h.release(s["pt"])
+    assert grants(h) == {"t": "gt", "s": "gs"}
+
+
+def test_a_pass_stays_while_its_acquire_has_a_request_of_the_party(harness: Make) -> None:
+    """Two processes of the party wait on the passing place: one giving up leaves the pass to the other
+    (the party still goes before the gang), and it goes with the party's last request, even though the
+    place still waits for a request of another party's process (which does not pass the gang)."""
+    h, s = passer_waiting_for_room(harness)
+    s["psq"] = h.register("ps", "s", (1,), party="Q")  # ``ps``'s process of another party
+    first = h.acquire(s["ps"])
+    second = h.acquire(s["ps2"])
+    h.drain()
+    passes = dict(h.s.queues.gangs["G"].passes)
+    assert list(passes) == ["P"]
+    h.cancel(s["ps"], first)
+    assert h.s.queues.gangs["G"].passes == passes and h.queue("s") == ["ps", "gs"]
+    h.acquire(s["psq"])
+    h.cancel(s["ps2"], second)
+    assert h.s.queues.gangs["G"].passes == {}
+    assert h.queue("s") == ["gs", "ps"]  # Q holds none of the gang's groups: its request waits behind the gang
+    assert [(f.ticket, type(f.error)) for f in refusals(h.drain())] == [
+        ((s["ps"], first), errors.AcquireCancelled),
+        ((s["ps2"], second), errors.AcquireCancelled),
+    ]

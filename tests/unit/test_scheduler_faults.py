@@ -28,10 +28,12 @@ from timesliced.core.events import (
     SnapshotJob,
 )
 from timesliced.core.policy import QueuePolicy
+from timesliced.core.scheduler import Scheduler
 from timesliced.core.slices import SlicePolicy
 from timesliced.core.undo import Fields, Journal
 
 from ..helpers.harness import Fault, Faults, Harness, holding, only, two_jobs_one_parked
+from ..helpers.turns import kept, settle, three_jobs
 
 Step = Callable[[Harness], Any]
 
@@ -214,11 +216,12 @@ def a_release_under_priority_passes_the_first_waiter(h: Harness) -> Step:
     return lambda h: h.s.handle(ReleaseRequested(a), h.now)
 
 
-def party_crossing_a_gang(h: Harness) -> dict[str, int]:
-    """Party P holds ``t``; gang G (``gt``, ``gs``) waits for ``t`` and keeps ``s``."""
+def party_crossing_a_gang(h: Harness, ps: int | None = None) -> dict[str, int]:
+    """Party P holds ``t``; gang G (``gt``, ``gs``) waits for ``t`` and keeps ``s``; ``ps``: P's session in
+    ``s``, if registered already."""
     s = {
         "pt": h.register("pt", "t", (0,), party="P"),
-        "ps": h.register("ps", "s", (1,), party="P"),
+        "ps": h.register("ps", "s", (1,), party="P") if ps is None else ps,
         "gt": h.register("gt", "t", (0,)),
         "gs": h.register("gs", "s", (1,)),
     }
@@ -247,6 +250,36 @@ def a_release_forgets_a_partys_pass_and_grants_the_gang(h: Harness) -> Step:
     return lambda h: h.s.handle(ReleaseRequested(s["pt"]), h.now)  # P holds none of G's groups: G goes
 
 
+def a_partys_passer_times_out_and_its_pass_is_forgotten(h: Harness) -> Step:
+    """P's ``ps`` passes the gang in ``s`` and waits for room that ``x`` (another group, GPU 1) holds."""
+    ps, x = h.register("ps", "s", (1,), party="P"), h.register("x", "x", (1,))
+    h.acquire(ps)
+    h.alloc(ps, 60, 1)
+    h.release(ps)
+    h.acquire(x)
+    h.alloc(x, 60, 1)  # parks idle ``ps``
+    (snap,) = only(h.drain(), SnapshotJob)
+    h.finish(snap, nbytes=60)
+    s = party_crossing_a_gang(h, ps)
+    h.acquire(s["ps"], deadline=h.now + 5.0)
+    assert h.s.queues.gangs["G"].passes and h.s.groups["s"].blocked == "ps"
+    return lambda h: h.s.handle_timers(h.now + 5.0)
+
+
+def a_kept_holder_back_passes_who_asked_since(h: Harness) -> Step:
+    """A's turn is kept (B waits), and C asks meanwhile: A's acquire is granted from its turn, and
+    marks C."""
+    h.s = Scheduler({0: 100}, anticipate_s=5.0)
+    s = three_jobs(h)
+    h.acquire(s["B"])
+    h.advance(1.0)
+    h.release(s["A"])
+    assert kept(settle(h))
+    h.acquire(s["C"])
+    h.advance(0.1)
+    return lambda h: h.s.handle(AcquireRequested(s["A"], 99, None), h.now)
+
+
 for _gang in (
     a_gang_completes_and_is_granted_whole,
     the_last_members_restore_grants_the_gang,
@@ -254,6 +287,7 @@ for _gang in (
     a_party_passes_a_waiting_gang,
     a_partys_second_pass_of_a_gang_is_refused,
     a_release_forgets_a_partys_pass_and_grants_the_gang,
+    a_partys_passer_times_out_and_its_pass_is_forgotten,
 ):
     _gang.capacities = {0: 100, 1: 100}  # type: ignore[attr-defined]
 a_release_under_priority_passes_the_first_waiter.queue_policies = {"*": QueuePolicy("priority")}  # type: ignore[attr-defined]
@@ -281,6 +315,8 @@ SCENARIOS: list[Callable[[Harness], Step]] = [
     a_party_passes_a_waiting_gang,
     a_partys_second_pass_of_a_gang_is_refused,
     a_release_forgets_a_partys_pass_and_grants_the_gang,
+    a_partys_passer_times_out_and_its_pass_is_forgotten,
+    a_kept_holder_back_passes_who_asked_since,
 ]
 POLICIES = {"*": SlicePolicy(4.0, "preempt", grace=0.0)}
 

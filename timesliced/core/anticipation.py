@@ -14,7 +14,8 @@ The inputs are scheduling state, kept per job as moves and phases end while anti
 either is never kept for. A switch's cost is twice the sum of the typical (median) move of every
 job it moves now: the victims it parks and the waiter it restores, then as much again to come back.
 
-Bound: every waiter that asks when a turn is kept is marked (``Waiter.delayed``) until it is
+Bound: every waiter that waits while a turn is kept (there when it is kept, or asking before its
+holder is granted again: that grant goes before it too) is marked (``Waiter.delayed``) until it is
 granted or stops waiting, and no turn is kept while any waiter of the group that asks is marked
 (under ``priority`` or ``fair`` the policy's choice may be a waiter that came since, so looking at
 the choice alone is not enough). So a waiter is passed by at most one kept holder per wait, under

@@ -10,7 +10,8 @@ and not switching; a choice that differs from arrival order is told to its job (
 notice, in the event log). A gang member's group, its switch done, waits until every group of
 the gang can grant its member, and then all are granted in one step (``gangs``); the one single
 acquire let before it is a party's that holds another of the gang's groups (``_passer``), once
-until that party lets all of the gang's groups go: a second is refused (``GangWaiting``).
+until that party lets all of the gang's groups go: a second is refused (``GangWaiting``). An
+acquire let before the gang that stops waiting before its grant was no pass (``LockQueues.drop``).
 """
 
 from __future__ import annotations
@@ -413,8 +414,10 @@ class Arbiter:
         the other, would keep the gang waiting for ever, so that second pass is refused
         (``_refuse_pass``). A party's pass is forgotten when a group it held is let go and it holds
         none of the gang's groups (``_forget_passes``; not when only some of a holder's sessions
-        let go, which can only refuse more), and all passes go with the gang when it is granted or
-        withdrawn. They are not rebuilt by a new leader (the nodes ask for their gangs anew): after
+        let go, which can only refuse more), when the acquire that made it stops waiting before it
+        is granted (timed out, cancelled or its session closed while it waited for room: it never
+        went before the gang, ``LockQueues.drop``), and all passes go with the gang when it is
+        granted or withdrawn. They are not rebuilt by a new leader (the nodes ask for their gangs anew): after
         a leader change a party may pass a gang once more.
         """
         parties = self._registry.parties

@@ -81,6 +81,12 @@ def check(registry: Registry, ledger: MemoryLedger, moves: Moves, gangs: Mapping
         # A party passes only a complete gang, in one of the groups it waits in (``Arbiter._passer``).
         assert not gang.passes or gang.seq is not None, f"gang {name} passed before it was complete"
         assert all(g in gang.members.values() for g, _ in gang.passes.values()), (name, gang.passes)
+        # A pass whose acquire still waits is still that party's (one that stopped waiting was no pass).
+        for party, (passed_in, seq) in gang.passes.items():
+            place = next((w for w in groups[passed_in].queue if w.seq == seq), None)
+            assert place is None or any(registry.parties.get(s) == party for s, _ in place.tickets), (
+                f"gang {name}: party {party}'s pass in {passed_in} is kept by a place without its requests: {place}"
+            )
         for ticket, group in gang.members.items():
             place = next((w for w in groups[group].queue if ticket in w.tickets), None)
             assert place is not None and place.gang == name, f"member {ticket} of gang {name} does not wait in {group}"

@@ -45,7 +45,9 @@ class Waiter:
     seq: int = 0  # its place in the arrival order of all groups' waiters (``LockQueues.seq``)
     gang: str | None = None  # the gang it is a member of (core/gangs.py)
     anticipated: bool = False  # a turn kept at the head for the holder that just yielded (core/anticipation.py)
-    delayed: bool = False  # it waited while such a turn was kept: no other is kept before it is granted
+    # It was passed by such a turn in this wait (it asked when the turn was kept, or when the turn was
+    # granted to its holder): no other is kept before it is granted.
+    delayed: bool = False
 
 
 @dataclass
@@ -56,8 +58,9 @@ class Gang:
     groups at the tail, under one place in the arrival order (``seq``) that every group shares.
     ``ready``: group -> (switch_s, restored, switched) of a member whose switch is done.
     ``passes``: party -> (group, seq) of the one single acquire of that party that went before the
-    gang in this wait (``Arbiter._passer``), until the party holds none of the gang's groups; all go
-    with the gang (granted or withdrawn).
+    gang in this wait (``Arbiter._passer``), until the party holds none of the gang's groups, or that
+    acquire stops waiting without a grant (``LockQueues.drop``); all go with the gang (granted or
+    withdrawn).
     """
 
     name: str

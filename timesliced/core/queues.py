@@ -54,6 +54,8 @@ class LockQueues:
         journal.keep_list(group.queue)
         journal.fields(group, LOCK)
         waiter = group.queue.pop(0)
+        if waiter.anticipated:  # a kept turn goes before every waiter that asks, also those that came during it
+            self._passed_by_kept_turn(group)
         if waiter.gang is not None:
             gang = self.gangs[waiter.gang]
             journal.keep_dict(gang.members)
@@ -165,16 +167,22 @@ class LockQueues:
     def keep_for_holder(self, group: Group, job: str, until: float, now: float) -> None:
         """A turn for ``job``, which just yielded, at the head until ``until`` (``core/anticipation.py``).
 
-        Every waiter that asks now is marked ``delayed``: none of them is kept waiting so again.
+        Every waiter that asks now is marked ``delayed``: none of them is kept waiting so again. So
+        is every waiter that asks when the turn is granted (``grant``): it asked while the turn was
+        kept, and its holder goes before it.
         """
+        self._passed_by_kept_turn(group)
+        seq = self.next_seq()
+        self._journal.keep_list(group.queue)
+        group.queue.insert(0, Waiter(job, now, kept_until=until, seq=seq, anticipated=True))
+
+    def _passed_by_kept_turn(self, group: Group) -> None:
+        """Every waiter of ``group`` that asks now is passed by a kept turn: it is marked ``delayed``."""
         journal = self._journal
         for w in group.queue:
             if w.tickets and not w.delayed:
                 journal.fields(w, DELAYED)
                 w.delayed = True
-        seq = self.next_seq()
-        journal.keep_list(group.queue)
-        group.queue.insert(0, Waiter(job, now, kept_until=until, seq=seq, anticipated=True))
 
     def end_kept_turn(self, group: Group, job: str) -> None:
         """``job``'s turn kept without requests, if any, goes (it asks as a gang member instead)."""
@@ -196,6 +204,8 @@ class LockQueues:
             group.queue.remove(waiter)
         if waiter.gang is not None:
             self._withdraw_gang(waiter.gang)
+        elif self.gangs:
+            self._forget_pass(group, waiter)
 
     def fail(self, group: Group, waiter: Waiter, ticket: Ticket, error: errors.TimeslicedError) -> None:
         self.drop(group, waiter, ticket)
@@ -310,6 +320,24 @@ class LockQueues:
             waiter = self.find(group, ticket) if group is not None else None
             if group is not None and waiter is not None:
                 self.fail(group, waiter, ticket, error)
+
+    def _forget_pass(self, group: Group, waiter: Waiter) -> None:
+        """A request of ``waiter`` stopped waiting unanswered: a gang's pass that ``waiter`` was chosen
+        for, of a party none of whose requests it still has, was never taken, so it goes.
+
+        A pass is counted when its acquire is chosen (``Arbiter._choose``), before it may wait for
+        room or for its restore; the party's next acquire would be refused (``GangWaiting``) for a
+        pass it never made. Forgetting it costs the gang nothing: while the party holds another of
+        the gang's groups, the gang cannot be granted anyway, however often the party asks again.
+        """
+        place = (group.name, waiter.seq)
+        parties = self._registry.parties
+        for gang in self.gangs.values():
+            if not gang.passes:
+                continue
+            for party in [p for p, at in gang.passes.items() if at == place]:
+                if not any(parties.get(s) == party for s, _ in waiter.tickets):
+                    self._journal.delete(gang.passes, party)
 
     # --- time ------------------------------------------------------------------------
 
