@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import os
 import random
+import threading
 from pathlib import Path
 
 import msgpack  # type: ignore[import-untyped]
@@ -328,6 +330,33 @@ def test_reclaim_forgets_the_job_entirely(sims: Sims) -> None:
     assert b.alloc("live", 0, PAGE).region == 1  # a new job of the same name starts afresh
 
 
+@pytest.mark.parametrize("kind", ["snapshot", "swap"])
+def test_a_move_cancelled_before_a_thread_takes_it_up_still_lets_the_job_go(sims: Sims, kind: str) -> None:
+    """The work of a move releases its claim: it runs even when its caller was cancelled while it queued."""
+    b = sims.backend()
+    b.alloc("a", 0, PAGE)
+    b.alloc("p", 0, PAGE)
+    asyncio.run(b.snapshot("p"))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(1))  # its one thread busy, as under load
+        gate = threading.Event()
+        busy = loop.run_in_executor(None, gate.wait)
+        move = asyncio.ensure_future(b.snapshot("a") if kind == "snapshot" else b.swap("a", "p"))
+        await asyncio.sleep(0)  # the move claims the job and queues its work
+        move.cancel()  # the daemon's op timeout, say
+        with pytest.raises(asyncio.CancelledError):
+            await move
+        gate.set()
+        await busy
+        async with asyncio.timeout(10):  # waited for ever on the old code: the claim was never released
+            await b.snapshot("a")
+        assert b.job_state("a") == "parked"
+
+    asyncio.run(main())
+
+
 def test_a_backend_closed_with_no_jobs_state_left_removes_its_files(sims: Sims) -> None:
     """Nothing to come back to: the arenas and folders go, so a stopped daemon holds no host memory."""
     b = sims.backend()
@@ -339,7 +368,7 @@ def test_a_backend_closed_with_no_jobs_state_left_removes_its_files(sims: Sims) 
     assert sorted(p.name for p in b.root.iterdir()) == ["daemon.lock", "notes.txt"]  # not its own: kept
     (b.root / "notes.txt").unlink()
     sims.backend().close()
-    assert not b.root.exists()
+    assert [p.name for p in b.root.iterdir()] == ["daemon.lock"]  # the lock stays for whoever starts next
 
 
 def test_a_backend_closed_with_a_jobs_state_keeps_every_file(sims: Sims) -> None:

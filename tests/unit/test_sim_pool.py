@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -208,6 +209,46 @@ def test_a_reclaimed_or_freed_parked_job_is_unmapped_with_its_files(sims: Sims) 
     assert list(b._parked_bufs) == [("a", second.region)]
     asyncio.run(b.reclaim("a"))
     assert not b._parked_bufs and not parked_dir(b.root, "a").exists()
+
+
+def test_a_rolled_back_park_leaves_the_pool_no_buffer_whose_file_it_removed(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A park that fails part way removes its job's folder, where the pool keeps what that job's restores
+    left: the pool must forget them, or a later park of the job writes into a file already unlinked."""
+    b = sims.backend(capacity=32 * PAGE)
+    b.alloc("a", 0, 4 * PAGE)
+    a2 = b.alloc("a", 0, PAGE)
+    data = random.Random(1).randbytes(PAGE)
+    with SimRegion.open(a2) as r:
+        r.write(data)
+    asyncio.run(b.snapshot("a"))
+    b.alloc("d", 0, 2 * PAGE)
+    b.alloc("d", 0, 2 * PAGE)
+    asyncio.run(b.snapshot("d"))
+    asyncio.run(b.restore("d"))
+    asyncio.run(b.restore("a"))  # a/1.bin and a/2.bin stay in a's folder, as the pool's
+    b.alloc("c", 0, 4 * PAGE)
+    asyncio.run(b.snapshot("c"))  # takes a/1.bin, the one buffer of 4 pages
+    opened = SimBackend._open_parked
+    calls = []
+
+    def fails_once(self: SimBackend, *args: Any, **kwargs: Any) -> int:
+        calls.append(1)
+        if len(calls) == 1:  # a's region 1 finds no buffer that fits: its new file fails, not for room
+            raise OSError(errno.EMFILE, "Too many open files")
+        return opened(self, *args, **kwargs)
+
+    monkeypatch.setattr(SimBackend, "_open_parked", fails_once)
+    with pytest.raises(errors.ParkRefused):
+        asyncio.run(b.snapshot("a"))
+    monkeypatch.undo()
+    assert calls and all(os.path.exists(buf.name) for buf in b.pool._free)
+    asyncio.run(b.restore("c"))
+    asyncio.run(b.snapshot("a"))
+    asyncio.run(b.restore("a"))  # failed on the old code: a/2.bin's copy had gone with its unlinked file
+    with SimRegion.open(a2) as r:
+        assert r.read() == data
 
 
 def test_the_bytes_pooled_stay_under_the_limit_over_many_switches(sims: Sims) -> None:

@@ -32,7 +32,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from timesliced import errors
 from timesliced.backends.base import DeviceInfo, JobTarget, MoveResult, SwapResult, job_name
@@ -66,6 +66,7 @@ from timesliced.util.parse import exact_size, human_size
 # machine's warm copy ceiling (32 MiB is about 3 ms at 10 GB/s), yet an abandoned move stops within a few
 # milliseconds.
 _CHUNK = COPY_CHUNK
+_T = TypeVar("_T")
 # A swap's park copies a chunk in its helper thread, beside the restore's chunk, only from this size on:
 # handing a chunk to another thread and back costs two wake-ups (100-150 us on a 2-core machine), more
 # than copying 2 MiB a second time in the same thread.
@@ -169,8 +170,13 @@ class _Job:
                 os.mkdir(f"{self.folder}", 0o700)
             self.has_folder = True
 
-    def remove_folder(self) -> None:
-        """Remove the parked folder and what is in it (a park rolled back)."""
+    def remove_folder(self, pool: BufferPool) -> None:
+        """Remove the parked folder and what is in it (a park rolled back), the pool's buffers kept there too.
+
+        The pool forgets them first: a buffer it still listed would be handed to a later park as a file
+        that no longer exists, whose copy would then be lost with its mapping.
+        """
+        pool.forget(self.folder)
         self.has_folder = False
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -340,17 +346,31 @@ class SimBackend:
         # it to 0; ``_inked`` raises it before anything writes; unknown pages (start-up) have the page size.
         self._ink = [array.array("Q", [page_size]) * (capacity // page_size) for _ in range(gpus)]
         self._can_punch = _MADV_REMOVE is not None
-        for d in (self.root, self.root / "jobs", self.root / "parked"):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.pool = BufferPool(self.root / POOL_NAME, pool)
-        # One daemon per root: the lock dies with its process, so a crashed daemon never blocks a new one.
-        lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        # One daemon per root, its lock taken before anything there is touched: the lock dies with its
+        # process, so a crashed daemon never blocks a new one.
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:  # `timesliced sim clean` removed the root meanwhile
+            raise errors.BackendError(
+                f"sim root {self.root} was removed as this daemon started; start it again"
+            ) from None
         self._unlock = weakref.finalize(self, os.close, lock_fd)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._unlock()
-            raise errors.BackendError(f"sim root {self.root} is in use by another daemon") from None
+            raise errors.BackendError(
+                f"sim root {self.root} is in use by another daemon (or is being cleaned); stop that daemon "
+                "or wait for the clean, or give this one another --state-dir or --sim-dir"
+            ) from None
+        try:
+            for d in (self.root / "jobs", self.root / "parked"):
+                d.mkdir(mode=0o700, exist_ok=True)
+            self.pool = BufferPool(self.root / POOL_NAME, pool)
+        except BaseException:
+            self._unlock()
+            raise
         self._started = False  # until then, state found here may be another configuration's: close keeps it
         try:
             self._start_up()
@@ -536,8 +556,9 @@ class SimBackend:
         """Stop moves in flight and unmap; parked files and control files stay for the next start.
 
         With no job's state left (every job reclaimed, or none ever allocated) nothing is there to come
-        back to: the root's files are removed, so a daemon that stops (or fails to start) holds no
-        host memory after it.
+        back to: the arenas, control files, parked files and pool are removed, so a daemon that stops
+        (or fails to start) holds no host memory after it. The root and its lock file stay, so every
+        daemon that starts there meanwhile takes the same lock.
         """
         with self._lock:
             moves = [j.move for j in self._jobs.values() if j.move is not None]
@@ -573,7 +594,7 @@ class SimBackend:
         self._unlock()
         if idle:
             with contextlib.suppress(errors.BackendError):  # a daemon started on the root meanwhile: it is its
-                clean(self.root)
+                clean(self.root, keep_root=True)
 
     # --- swap: a park and a restore streamed at once -----------------------------------
 
@@ -610,9 +631,8 @@ class SimBackend:
             if busy is None:  # nothing to stream: the halves go one after the other, as lone moves
                 return SwapResult(await _outcome(self.snapshot(a_name)), await _outcome(self.restore(b_name)))
             await busy.wait()
-        # The worker thread releases both claims, so a cancelled caller never leaves them dangling.
         try:
-            return await asyncio.to_thread(self._swap, a, b, claims)
+            return await _to_the_end(self._swap, a, b, claims)
         except asyncio.CancelledError:
             for claim in claims:
                 claim.abort.set()
@@ -649,9 +669,8 @@ class SimBackend:
                     j.move = claim = _Move()
                     break
             await busy.wait()
-        # The worker thread releases the claim, so a cancelled caller never leaves it dangling.
         try:
-            return await asyncio.to_thread(work, j, claim)
+            return await _to_the_end(work, j, claim)
         except asyncio.CancelledError:
             claim.abort.set()
             raise
@@ -676,7 +695,7 @@ class SimBackend:
                     self._update(j, state=PARKED, epoch=j.epoch + 1, regions=parked)
             except BaseException as exc:
                 self._give_back(files)  # warm pages stay warm for the next park
-                j.remove_folder()
+                j.remove_folder(self.pool)
                 with self._lock:
                     self._update(j, strict=False, state=RESIDENT, epoch=j.epoch + 1)
                 self._reraise("snapshot", j, exc)
@@ -1237,6 +1256,28 @@ class SimBackend:
                         f.unlink()
 
 
+async def _to_the_end(work: Callable[..., _T], *args: Any) -> _T:
+    """``work(*args)`` in a worker thread, which runs it to its end even when the caller is cancelled.
+
+    The work releases the claims of its move (``_finish``), so it must run whatever happens to its
+    caller: ``asyncio.to_thread`` would drop work that no thread had started yet when its caller was
+    cancelled (the default executor's threads are shared, so that happens under load), leaving the
+    job claimed for good. A cancelled caller sets its claims' abort, so the work ends at once.
+    """
+    done = asyncio.get_running_loop().run_in_executor(None, work, *args)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        done.add_done_callback(_leave_unread)
+        raise
+
+
+def _leave_unread(done: asyncio.Future[Any]) -> None:
+    """What work its caller left ends in is the backend's to log (``_reraise``), not asyncio's."""
+    if not done.cancelled():
+        done.exception()
+
+
 async def _outcome(move: Coroutine[Any, Any, MoveResult]) -> MoveResult | Exception:
     try:
         return await move
@@ -1473,7 +1514,7 @@ class _Swap:
         sim, a = self.sim, self.a
         sim._give_back(self.a_files)
         self.a_files = []
-        a.remove_folder()
+        a.remove_folder(sim.pool)
         with sim._lock:
             sim._update(a, strict=False, state=RESIDENT, epoch=a.epoch + 1)
 

@@ -5,8 +5,9 @@ directory per state dir, ``env.default_sim_dir``): an arena per GPU, a control f
 the parked regions. They are kept on purpose when a daemon stops with jobs' state in them, cleanly
 or not: the next daemon started with the same state dir takes them up, so jobs that come back find
 their state (and the simulated state that no job of its journal owns is reclaimed then). A daemon
-that stops with none removes them itself, with ``clean``. What is left where no daemon
-will start again holds host memory until the node reboots; this removes it.
+that stops with none removes them itself, with ``clean`` (keeping the directory and its lock).
+What is left where no daemon will start again holds host memory until the node reboots; this
+removes it.
 
 It refuses while a daemon holds the directory: the daemon's lock on ``daemon.lock`` (an ``flock``
 that dies with its process) is taken here too for as long as the files are removed, so a daemon
@@ -44,16 +45,18 @@ class Cleaned:
     kept: tuple[str, ...] = ()  # entries that are not the simulated GPU's, left alone
 
 
-def clean(root: Path) -> Cleaned:
+def clean(root: Path, *, keep_root: bool = False) -> Cleaned:
     """Remove the simulated GPU's files under ``root``; raises ``BackendError`` while a daemon uses it.
 
     Only what the simulated GPU writes is removed (``gpu<N>.arena``, ``jobs/``, ``parked/``, ``pool/``
     and the lock); anything else is left in place and named in ``kept``, and the directory then stays.
+    ``keep_root``: the directory and its lock stay (a daemon may be opening the lock as it goes: one
+    that took the old file's lock and another the new one's would both run on the root).
     """
     if not root.is_dir():
         return Cleaned(root, existed=False)
     try:
-        return _clean(root)
+        return _clean(root, keep_root)
     except OSError as exc:  # another user's files, or a daemon starting meanwhile (a directory not empty)
         raise errors.BackendError(
             f"cannot clean the simulated GPU state at {root}: {exc}; run it as the user whose daemon left it, "
@@ -80,7 +83,7 @@ def _parked_regions(root: Path) -> int:
     return sum(1 for f in (root / "parked").glob("*/*.bin") if f.parent.name not in resident)
 
 
-def _clean(root: Path) -> Cleaned:
+def _clean(root: Path, keep_root: bool) -> Cleaned:
     lock = root / LOCK_NAME
     try:
         fd = os.open(lock, os.O_RDWR)
@@ -112,7 +115,7 @@ def _clean(root: Path) -> Cleaned:
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
-        if not kept:
+        if not kept and not keep_root:
             lock.unlink(missing_ok=True)
             root.rmdir()
         return Cleaned(root, True, nbytes, jobs, parked, tuple(kept))
