@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -600,3 +601,46 @@ def test_an_incoming_process_that_disconnects_calls_the_unpark_off_in_the_others
         assert "failed: the connection closed before it carried out the offload" in str(result.restore)
 
     asyncio.run(body())
+
+
+# --- directive numbers across daemon restarts -------------------------------------------------------
+
+
+def sent_directives(directives: Any, conn: Conn, n: int) -> list[int]:
+    """``n`` parks told to ``conn`` and answered; their numbers."""
+
+    async def body() -> list[int]:
+        for _ in range(n):
+            park = asyncio.ensure_future(directives.direct("a", "park", {"tags": []}))
+            await settle()
+            answer(directives, conn, conn.directives()[-1], ok=True, nbytes=0)
+            await park
+        return [d["directive"] for d in conn.directives()]
+
+    return asyncio.run(body())
+
+
+def test_a_restarted_daemon_numbers_its_directives_above_the_ones_before() -> None:
+    from timesliced.daemon.directives import Directives
+
+    before = time.time_ns() // 1000
+    a = Conn(1)
+    old = Directives(lambda job: [a])
+    numbers = sent_directives(old, a, 3)
+    assert numbers[0] >= before and numbers == list(range(numbers[0], numbers[0] + 3)) and old.last == numbers[-1]
+    # The restart, a while later: its numbers start from the clock, above the old daemon's (which
+    # sent fewer directives than microseconds it ran). From 1, as they did, they would repeat.
+    b = Conn(1)
+    restarted = Directives(lambda job: [b], first=numbers[0] + 1_000_000)
+    assert restarted.last == 0
+    assert sent_directives(restarted, b, 1)[0] > max(numbers)
+
+
+def test_directive_numbers_fit_the_wire_and_json() -> None:
+    from timesliced.daemon.directives import Directives
+    from timesliced.wire.codec import decode_body, encode
+
+    a = Conn(1)
+    (first,) = sent_directives(Directives(lambda job: [a]), a, 1)
+    assert first < 2**53  # exact as a JSON number (a status page, a log line read by a tool)
+    assert decode_body(encode({"directive": first})[4:]) == {"directive": first}
