@@ -7,10 +7,12 @@
 - A directive's answers go on the connection it came on, or nowhere.
 - A signal's exception in the main thread (simulated where it lands: right after a call returns)
   strands no other thread's answer, leaves no request that nobody waits for, and loses no frame silently.
+- A client used in a process forked from its own raises at once and writes nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -18,8 +20,9 @@ from typing import Any
 
 import pytest
 
+import timesliced
 from timesliced import errors
-from timesliced.client import sync
+from timesliced.client import shell, sync
 from timesliced.client.session import Answered, Failed, Logged, Pushed
 
 from ..helpers.sync_core import OfflineClient
@@ -225,3 +228,30 @@ def test_frames_cut_short_by_an_interrupt_end_the_connection_and_go_out_on_the_n
     assert status["op"] == "status" and status["id"] == rid  # re-sent with its id on the new connection
     client._dispatch(off.feed({"id": rid, "ok": True, "result": {"daemon": "ok"}}))
     assert theirs.result(0) == {"daemon": "ok"}
+
+
+# --- finding: a client used in a forked child ---------------------------------------------------------
+
+
+def test_a_client_in_another_process_raises_at_once_and_sends_nothing(
+    off: OfflineClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shell._Process, "pid", -1)  # what the fork hook sets in a child
+    with pytest.raises(errors.ConnectionLost, match="make a new client in this process"):
+        off.client.release()
+    off.client.close()
+    assert off.wire.requests() == [] and not off.wire.shut
+    assert off.client._core.connection == off.conn  # the parent's connection is still open in the core
+
+
+def test_an_async_client_in_another_process_raises_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = timesliced.AsyncClient("a", "g", address="/nonexistent/timesliced.sock")
+    monkeypatch.setattr(shell._Process, "pid", -1)
+
+    async def body() -> None:
+        with pytest.raises(errors.ConnectionLost, match="is a fork of it"):
+            await client.acquire()
+        await client.close()
+
+    asyncio.run(body())
+    assert client._core.state.value == "idle"  # it never asked for a connection

@@ -57,7 +57,16 @@ class AsyncClient(ShellBase):
         await self._wait(self._submit(self._core.wait_ready))
 
     async def close(self) -> None:
-        """Close the connection; a held lock is released by the daemon. Waiting calls raise ``ConnectionLost``."""
+        """Close the connection; a held lock is released by the daemon. Waiting calls raise ``ConnectionLost``.
+
+        In a process forked from the one that made the client, it forgets the parent's connection and
+        sends nothing: the connection, and the lock it may hold, stay the parent's.
+        """
+        if self._foreign() is not None:
+            # The transport is the parent's event loop's: closing it would unregister its socket from the
+            # epoll set the two processes share. Dropped as it is; this process's copy goes when it exits.
+            self._writer = None
+            return
         self._step(self._core.close)
         me = asyncio.current_task()
         supervisors = [task for task in self._supervisors if task is not me]
@@ -164,7 +173,12 @@ class AsyncClient(ShellBase):
         return await self._wait(self._submit(lambda now: self._core.request(op, args, now)))
 
     def _submit(self, start: Callable[[float], int]) -> tuple[int, asyncio.Future[Any]]:
-        """Hand the core a request (connecting first if need be); returns its id and future."""
+        """Hand the core a request (connecting first if need be); returns its id and future.
+
+        Raises ``ConnectionLost`` at once in a process forked from the client's own.
+        """
+        if (foreign := self._foreign()) is not None:
+            raise foreign
         loop = asyncio.get_running_loop()
         rid = start(loop.time())
         future = self._waiters[rid] = loop.create_future()

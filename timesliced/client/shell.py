@@ -23,6 +23,19 @@ log = logging.getLogger("timesliced.client")
 _NOT_YET = errors.PermissionDenied("the token is read before the client connects over TCP")
 
 
+class _Process:
+    """This process's id, kept by a fork hook, so a client's check on every call makes no system call."""
+
+    pid = os.getpid()
+
+
+def _forked() -> None:
+    _Process.pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class ShellBase:
     """The constructor and the read-only view of a client; see ``Client`` for the arguments.
 
@@ -108,7 +121,21 @@ class ShellBase:
             connect_timeout=connect_timeout,
             request_timeout=request_timeout,
         )
+        self._pid = _Process.pid  # the process whose connection this is (``_foreign``)
         self._start_io()
+
+    def _foreign(self) -> errors.ConnectionLost | None:
+        """In a process forked from the one that made this client: the error its calls raise, else None.
+
+        The child shares the parent's socket: anything it wrote would act for the parent (a release),
+        and the parent's reader thread, which answers, is not in the child.
+        """
+        if self._pid == _Process.pid:
+            return None
+        return errors.ConnectionLost(
+            f"this client was made by process {self._pid}, and process {_Process.pid} is a fork of it: "
+            "its connection is the parent's; make a new client in this process"
+        )
 
     def _start_io(self) -> None:
         """The shell's own state (sockets, waiters, its driver)."""

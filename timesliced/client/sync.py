@@ -129,7 +129,14 @@ class Client(ShellBase):
         self._request(self._core.wait_ready)
 
     def close(self) -> None:
-        """Close the connection; a held lock is released by the daemon. Waiting calls raise ``ConnectionLost``."""
+        """Close the connection; a held lock is released by the daemon. Waiting calls raise ``ConnectionLost``.
+
+        In a process forked from the one that made the client, it only closes this process's copy of
+        the socket: the connection, and the lock it may hold, stay the parent's.
+        """
+        if self._foreign() is not None:
+            self._forsake()
+            return
         self._step(self._core.close)
         reader = self._reader
         if reader is not None and reader is not threading.current_thread():
@@ -266,9 +273,12 @@ class Client(ShellBase):
     def _submit(self, start: Callable[[float], int]) -> Waiter:
         """Hand the core a request (connecting first if need be); returns its id, answer and first deadline.
 
-        Whatever raises once ``start`` made the request (a signal's exception in the main thread, say)
-        withdraws it, as ``_wait`` does: an acquire is never left to be granted to nobody.
+        Raises ``ConnectionLost`` at once in a process forked from the client's own. Whatever raises
+        once ``start`` made the request (a signal's exception in the main thread, say) withdraws it, as
+        ``_wait`` does: an acquire is never left to be granted to nobody.
         """
+        if (foreign := self._foreign()) is not None:
+            raise foreign
         future = _Answer()
         later: list[tuple[_Answer | None, Output]] = []
         rid = 0  # set: the request is made and not withdrawn
@@ -330,6 +340,18 @@ class Client(ShellBase):
         with self._lock:
             self._waiters.pop(rid, None)
         self._step(functools.partial(self._core.abandon, rid))
+
+    def _forsake(self) -> None:
+        """In a forked child: let go of the parent's socket here, sending nothing, taking no lock.
+
+        Closing this process's descriptor leaves the connection open (the parent's descriptor still
+        refers to it), and ``shutdown`` would end it for the parent too, so it is not called. The
+        epoll set is shared with the parent's reader thread, so it is not touched either. The lock may
+        have been copied held (another thread of the parent had it): it is not taken.
+        """
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
 
     def _read_for(self, future: _Answer, deadline: float | None) -> None:
         """Read the socket in this thread until ``future`` is answered or ``deadline`` passes.
