@@ -297,6 +297,7 @@ class Client(ShellBase):
                     if self._core.next_request > rid:  # it was made (under this lock: by this call)
                         self._core.abandon(rid, time.monotonic())
                         self._flush(later)
+                        self._wakeup.set()  # as ``_step``: the reader may wait for an attempt nobody wants now
                     rid = 0  # withdrawn here, or never made
                     raise
             self._dispatch(later)
