@@ -30,10 +30,10 @@ pytestmark = pytest.mark.slow
 DIRECTIVE = 99
 
 
-def wait_in_room(rooms: Rooms) -> tuple[threading.Thread, list[str]]:
+def wait_in_room(rooms: Rooms, connection: int) -> tuple[threading.Thread, list[str]]:
     """A streamed unpark's worker waiting for its next region's room; the list gets why the wait ended."""
-    rooms.opened({"directive": DIRECTIVE, "room": {"0": 0}})  # what an ``offload`` unpark push with room does
-    room = rooms.room(DIRECTIVE)
+    rooms.opened(connection, {"directive": DIRECTIVE, "room": {"0": 0}})  # what an ``offload`` unpark push does
+    room = rooms.room(connection, DIRECTIVE)
     assert room is not None
     ended: list[str] = []
 
@@ -68,7 +68,7 @@ def test_a_sync_clients_room_ends_with_its_connection(how: str, tmp_path: Path, 
         client = timesliced.Client("a", "g", address=daemon.socket)
         try:
             client.connect()
-            t, ended = wait_in_room(client._rooms)
+            t, ended = wait_in_room(client._rooms, client._core.connection)
             end_connection(how, daemon, monkeypatch)
             t.join(10)
             if how == "lease_expires":
@@ -86,7 +86,7 @@ def test_an_async_clients_room_ends_with_its_connection(how: str, tmp_path: Path
             client = timesliced.AsyncClient("a", "g", address=daemon.socket)
             try:
                 await client.connect()
-                t, ended = wait_in_room(client._rooms)
+                t, ended = wait_in_room(client._rooms, client._core.connection)
                 end_connection(how, daemon, monkeypatch)
                 for _ in range(100):
                     await asyncio.sleep(0.1)

@@ -482,6 +482,33 @@ def test_untracked_requests_go_out_only_on_a_registered_connection(h: Harness) -
     assert h.take(Failed) == []
 
 
+def test_a_directives_answer_goes_on_the_connection_it_came_on_or_nowhere(h: Harness) -> None:
+    h.ready()
+    first = h.conn
+    h.push("offload", directive=1, action="park")
+    (pushed,) = h.take(Pushed)
+    assert pushed.connection == first  # the shell ties the directive to its connection
+    h.lost()
+    h.handshake()  # a restarted daemon, which numbers its own directives from wherever it starts
+    h.do(lambda now: h.core.send("offload_done", {"directive": 1, "ok": True}, now, connection=first))
+    assert h.sent() == [], "the old daemon's directive 1 was answered on the new connection"
+    h.do(lambda now: h.core.send("offload_done", {"directive": 1, "ok": True}, now, connection=h.conn))
+    assert [r["op"] for r in h.sent()] == ["offload_done"]
+
+
+def test_a_connection_the_core_leaves_is_named_in_its_disconnect(h: Harness) -> None:
+    h.ready()
+    conn = h.conn
+    h.do(h.core.close)
+    assert h.take(Disconnect) == [Disconnect("the client is closed", conn)]
+
+
+def test_the_next_request_id_is_known_before_the_request_is_made(h: Harness) -> None:
+    expected = h.core.next_request
+    assert h.do(lambda now: h.core.request("status", None, now)) == expected
+    assert h.core.next_request > expected
+
+
 # --- heartbeats follow the latest daemon's lease ----------------------------------------------------
 
 

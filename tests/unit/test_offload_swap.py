@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -264,19 +265,51 @@ def test_a_call_off_after_the_limit_was_lifted_stops_the_next_take() -> None:
 
 def test_the_rooms_of_a_client_follow_its_pushes_and_end_with_its_connection() -> None:
     rooms = Rooms()
-    rooms.opened({"directive": 4, "action": "unpark", "room": {"0": R}})
-    rooms.opened({"directive": 5, "action": "park", "stream": True})  # a park has no room
-    assert rooms.room(5) is None
-    room = rooms.room(4)
+    rooms.opened(1, {"directive": 4, "action": "unpark", "room": {"0": R}})
+    rooms.opened(1, {"directive": 5, "action": "park", "stream": True})  # a park has no room
+    assert rooms.room(1, 5) is None
+    room = rooms.room(1, 4)
     assert room is not None and room.fits(0, R) and not room.fits(0, 2 * R)
-    rooms.relayed({"directive": 4, "room": {"0": R, "x": 5, "1": -1}})  # what is not a GPU's bytes is left out
+    assert rooms.room(2, 4) is None  # another connection's directive 4 is another directive
+    rooms.relayed(1, {"directive": 4, "room": {"0": R, "x": 5, "1": -1}})  # what is not a GPU's bytes is left out
     assert room.fits(0, 2 * R) and not room.fits(1, 1)
-    rooms.relayed({"directive": 99, "rest": True})  # over already: nothing to do
-    rooms.lost("connection reset")
+    rooms.relayed(2, {"directive": 4, "rest": True})  # not this connection's: its room stays limited
+    assert not room.fits(0, 3 * R)
+    rooms.relayed(1, {"directive": 99, "rest": True})  # over already: nothing to do
+    rooms.lost("connection reset", 1)
     with pytest.raises(errors.BackendError, match="connection reset"):
         room.take(0, 1)
-    rooms.closed(4)
-    assert rooms.room(4) is None
+    rooms.closed(1, 4)
+    assert rooms.room(1, 4) is None
+
+
+def test_a_room_lives_and_dies_with_its_own_connection() -> None:
+    """A restarted daemon numbers its directives afresh: directive 1 of connection 2 is not that of connection 1."""
+    rooms = Rooms()
+    rooms.opened(1, {"directive": 1, "room": {"0": 0}})  # daemon A's unpark 1, streamed
+    old = rooms.room(1, 1)
+    rooms.lost("the daemon closed the connection", 1)  # A dies; the worker's take raises, it puts regions back
+    rooms.opened(2, {"directive": 1, "room": {"0": 0}})  # restarted daemon B's own unpark 1, queued behind it
+    new = rooms.room(2, 1)
+    assert old is not None and new is not None and new is not old
+    rooms.closed(1, 1)  # the old worker's finally (ShellBase._directive)
+    assert rooms.room(2, 1) is new, "B's unpark 1 finds no room: it would run unlimited (room=None)"
+    rooms.lost("an old connection's end, read late", 1)
+    assert new.fits(0, 0), "an old connection's end ends no room of a newer one"
+    rooms.lost("the client closed")  # every connection
+    assert not new.fits(0, 0)
+
+
+def test_a_room_opened_for_a_connection_already_gone_is_ended_at_once() -> None:
+    rooms = Rooms()
+    rooms.lost("the daemon closed the connection", 3)
+    rooms.opened(2, {"directive": 7, "room": {"0": R}})  # read before the end, carried out after it
+    room = rooms.room(2, 7)
+    assert room is not None
+    with pytest.raises(errors.BackendError, match="the daemon closed the connection"):
+        room.take(0, 1)
+    rooms.opened(4, {"directive": 7, "room": {"0": R}})  # the next connection's
+    assert rooms.room(4, 7) is not None and rooms.room(4, 7).fits(0, R)  # type: ignore[union-attr]
 
 
 # --- the executor ----------------------------------------------------------------------------------
@@ -600,3 +633,46 @@ def test_an_incoming_process_that_disconnects_calls_the_unpark_off_in_the_others
         assert "failed: the connection closed before it carried out the offload" in str(result.restore)
 
     asyncio.run(body())
+
+
+# --- directive numbers across daemon restarts -------------------------------------------------------
+
+
+def sent_directives(directives: Any, conn: Conn, n: int) -> list[int]:
+    """``n`` parks told to ``conn`` and answered; their numbers."""
+
+    async def body() -> list[int]:
+        for _ in range(n):
+            park = asyncio.ensure_future(directives.direct("a", "park", {"tags": []}))
+            await settle()
+            answer(directives, conn, conn.directives()[-1], ok=True, nbytes=0)
+            await park
+        return [d["directive"] for d in conn.directives()]
+
+    return asyncio.run(body())
+
+
+def test_a_restarted_daemon_numbers_its_directives_above_the_ones_before() -> None:
+    from timesliced.daemon.directives import Directives
+
+    before = time.time_ns() // 1000
+    a = Conn(1)
+    old = Directives(lambda job: [a])
+    numbers = sent_directives(old, a, 3)
+    assert numbers[0] >= before and numbers == list(range(numbers[0], numbers[0] + 3)) and old.last == numbers[-1]
+    # The restart, a while later: its numbers start from the clock, above the old daemon's (which
+    # sent fewer directives than microseconds it ran). From 1, as they did, they would repeat.
+    b = Conn(1)
+    restarted = Directives(lambda job: [b], first=numbers[0] + 1_000_000)
+    assert restarted.last == 0
+    assert sent_directives(restarted, b, 1)[0] > max(numbers)
+
+
+def test_directive_numbers_fit_the_wire_and_json() -> None:
+    from timesliced.daemon.directives import Directives
+    from timesliced.wire.codec import decode_body, encode
+
+    a = Conn(1)
+    (first,) = sent_directives(Directives(lambda job: [a]), a, 1)
+    assert first < 2**53  # exact as a JSON number (a status page, a log line read by a tool)
+    assert decode_body(encode({"directive": first})[4:]) == {"directive": first}

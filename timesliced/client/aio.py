@@ -57,7 +57,16 @@ class AsyncClient(ShellBase):
         await self._wait(self._submit(self._core.wait_ready))
 
     async def close(self) -> None:
-        """Close the connection; a held lock is released by the daemon. Waiting calls raise ``ConnectionLost``."""
+        """Close the connection; a held lock is released by the daemon. Waiting calls raise ``ConnectionLost``.
+
+        In a process forked from the one that made the client, it forgets the parent's connection and
+        sends nothing: the connection, and the lock it may hold, stay the parent's.
+        """
+        if self._foreign() is not None:
+            # The transport is the parent's event loop's: closing it would unregister its socket from the
+            # epoll set the two processes share. Dropped as it is; this process's copy goes when it exits.
+            self._writer = None
+            return
         self._step(self._core.close)
         me = asyncio.current_task()
         supervisors = [task for task in self._supervisors if task is not me]
@@ -164,7 +173,12 @@ class AsyncClient(ShellBase):
         return await self._wait(self._submit(lambda now: self._core.request(op, args, now)))
 
     def _submit(self, start: Callable[[float], int]) -> tuple[int, asyncio.Future[Any]]:
-        """Hand the core a request (connecting first if need be); returns its id and future."""
+        """Hand the core a request (connecting first if need be); returns its id and future.
+
+        Raises ``ConnectionLost`` at once in a process forked from the client's own.
+        """
+        if (foreign := self._foreign()) is not None:
+            raise foreign
         loop = asyncio.get_running_loop()
         rid = start(loop.time())
         future = self._waiters[rid] = loop.create_future()
@@ -210,14 +224,15 @@ class AsyncClient(ShellBase):
                 writer, self._writer = self._writer, None
                 if writer is not None:
                     writer.close()  # the supervisor's read ends; it waits for the transport
-                self._rooms.lost(out.reason)  # never read again: its end would not tell the rooms
+                self._rooms.lost(out.reason, out.connection)  # never read again: its end would not tell the rooms
             elif isinstance(out, Answered):
                 if (future := self._waiters.pop(out.rid, None)) is not None and not future.done():
                     future.set_result(out.value)
             elif isinstance(out, Failed):
                 if (future := self._waiters.pop(out.rid, None)) is not None and not future.done():
                     future.set_exception(out.error)
-            elif isinstance(out, Pushed):
+            elif isinstance(out, Pushed):  # the loop's one thread carries them out in the stream's order
+                self._directed(out)
                 self._pushed(out)
             elif isinstance(out, Logged):
                 self._logged(out)
@@ -295,14 +310,14 @@ class AsyncClient(ShellBase):
                     self._step(functools.partial(self._core.receive_data, conn, data))
                 else:
                     self._step(functools.partial(self._core.connection_lost, conn, reason=reason))
-                    self._rooms.lost(reason)
+                    self._rooms.lost(reason, conn)
                     if self._writer is writer:
                         self._writer = None
         finally:
             if writer is not None:
                 if self._core.connection == conn:  # cut short (cancelled): the connection goes with this task
                     self._step(functools.partial(self._core.connection_lost, conn, reason="the client's task ended"))
-                    self._rooms.lost("the client's task ended")
+                    self._rooms.lost("the client's task ended", conn)
                 if self._writer is writer:
                     self._writer = None
                 await _closed(writer)
@@ -335,29 +350,33 @@ class AsyncClient(ShellBase):
 
     # --- offload directives --------------------------------------------------------------
 
-    def _run_directive(self, data: dict[str, Any]) -> None:
+    def _run_directive(self, data: dict[str, Any], connection: int) -> None:
         if self._tasks is not None and self._pool is not None:  # else closed: nothing may move any more
-            work = self._carry_out(self._pool, data)
+            work = self._carry_out(self._pool, data, connection)
             try:
                 self._tasks.create_task(work)
             except RuntimeError:  # the task group is shutting down
                 work.close()
 
-    async def _carry_out(self, pool: concurrent.futures.ThreadPoolExecutor, data: dict[str, Any]) -> None:
-        """Run one offload directive in the worker thread, then report back."""
+    async def _carry_out(
+        self, pool: concurrent.futures.ThreadPoolExecutor, data: dict[str, Any], connection: int
+    ) -> None:
+        """Run one offload directive in the worker thread, then report back on its connection (if still open)."""
         try:
             loop = asyncio.get_running_loop()
 
             def send(op: str, args: dict[str, Any]) -> None:  # from the worker thread: the core is the loop's
                 try:
-                    loop.call_soon_threadsafe(self._step, functools.partial(self._core.send, op, args))
+                    loop.call_soon_threadsafe(
+                        self._step, functools.partial(self._core.send, op, args, connection=connection)
+                    )
                 except RuntimeError:
                     pass  # the loop closed: nobody is left to tell
 
-            answer = await loop.run_in_executor(pool, self._directive, data, send)
+            answer = await loop.run_in_executor(pool, self._directive, data, connection, send)
         except RuntimeError:
             return  # the pool shut down: closing
-        self._step(functools.partial(self._core.send, "offload_done", answer))
+        self._step(functools.partial(self._core.send, "offload_done", answer, connection=connection))
 
 
 async def _until(event: asyncio.Event, deadline: float | None, loop: asyncio.AbstractEventLoop) -> None:

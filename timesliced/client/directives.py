@@ -11,8 +11,9 @@ memory each region gave back (``offload_progress``) as soon as it is unmapped. T
 carries ``room`` (bytes per GPU it may map now); the daemon relays more room (``offload_room``) as
 the outgoing job frees it, lifts the limit once that park ended (``rest``), or calls the unpark off
 (``cancel``). :class:`Room` is that limit on the client's side: the reader thread grants, the worker
-thread takes, and a lost connection ends every wait (:class:`Rooms`), so an unpark never waits on a
-daemon that is gone: it puts its regions back as parked and answers with the failure.
+thread takes, and a lost connection ends its waits (:class:`Rooms`), so an unpark never waits on a
+daemon that is gone: it puts its regions back as parked and answers with the failure, on no other
+connection (the daemon that sent it failed it when the connection closed).
 """
 
 from __future__ import annotations
@@ -112,36 +113,45 @@ class Room:
 
 
 class Rooms:
-    """The rooms of the streamed unparks a client has in flight, by directive (thread-safe).
+    """The rooms of the streamed unparks a client has in flight, by connection and directive (thread-safe).
 
-    ``opened`` runs on the reader as the directive arrives, before any ``offload_room`` for it can;
-    ``relayed`` carries such a push to its room; ``lost`` ends them all (the connection they came on
-    is gone, and with it whoever granted them).
+    A room belongs to the connection its directive came on: a restarted daemon numbers its own
+    directives, so directive ``N`` of a new connection is not ``N`` of the old one. ``opened`` runs as
+    the directive arrives, before any ``offload_room`` for it can (each shell carries both out in the
+    order its core put them out); ``relayed`` carries such a push to its room; ``lost`` ends the rooms
+    of a connection that is gone (and of every older one), with whoever granted them. Connections are
+    numbered upwards (``ClientSession.connection``), so a room opened for a connection already lost is
+    ended at once.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rooms: dict[int, Room] = {}
+        self._rooms: dict[tuple[int, int], Room] = {}
+        self._lost = 0  # the latest connection lost: its rooms, and those of every older one, are ended
+        self._lost_why = ""
 
-    def opened(self, data: Mapping[str, Any]) -> None:
-        """An ``offload`` push: a streamed unpark (one with ``room``) gets its room now."""
+    def opened(self, connection: int, data: Mapping[str, Any]) -> None:
+        """An ``offload`` push on ``connection``: a streamed unpark (one with ``room``) gets its room now."""
         directive, granted = data.get("directive"), data.get("room")
         if isinstance(directive, int) and isinstance(granted, dict):
+            room = Room(_gpu_bytes(granted))
             with self._lock:
-                self._rooms[directive] = Room(_gpu_bytes(granted))
+                if connection <= self._lost:
+                    room.end(self._lost_why)  # its connection is gone: nobody will grant it anything
+                self._rooms[connection, directive] = room
 
-    def room(self, directive: Any) -> Room | None:
+    def room(self, connection: int, directive: Any) -> Room | None:
         with self._lock:
-            return self._rooms.get(directive) if isinstance(directive, int) else None
+            return self._rooms.get((connection, directive)) if isinstance(directive, int) else None
 
-    def closed(self, directive: Any) -> None:
+    def closed(self, connection: int, directive: Any) -> None:
         with self._lock:
             if isinstance(directive, int):
-                self._rooms.pop(directive, None)
+                self._rooms.pop((connection, directive), None)
 
-    def relayed(self, data: Mapping[str, Any]) -> None:
+    def relayed(self, connection: int, data: Mapping[str, Any]) -> None:
         """An ``offload_room`` push: more room, the limit lifted (``rest``), or the unpark called off (``cancel``)."""
-        room = self.room(data.get("directive"))
+        room = self.room(connection, data.get("directive"))
         if room is None:
             return  # its unpark is over already
         if isinstance(data.get("room"), dict):
@@ -151,9 +161,15 @@ class Rooms:
         if data.get("cancel"):
             room.end(str(data["cancel"]))
 
-    def lost(self, reason: str) -> None:
+    def lost(self, reason: str, connection: int | None = None) -> None:
+        """``connection`` ended (None: the client closed): its rooms and every older connection's end."""
         with self._lock:
-            rooms = list(self._rooms.values())
+            if connection is None:
+                rooms = list(self._rooms.values())
+            else:
+                if connection > self._lost:
+                    self._lost, self._lost_why = connection, reason
+                rooms = [room for (conn, _), room in self._rooms.items() if conn <= connection]
         for room in rooms:
             room.end(reason)
 

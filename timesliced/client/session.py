@@ -180,10 +180,15 @@ class Failed:
 
 @dataclass(frozen=True)
 class Pushed:
-    """The daemon pushed ``event``: for ``on_push``, and an ``offload`` directive for the executor."""
+    """The daemon pushed ``event`` on ``connection``: for ``on_push``, and an ``offload`` directive for the executor.
+
+    A directive belongs to the connection it came on: its rooms and its answers go with that
+    connection, never with a later one (whose daemon may number its own directives alike).
+    """
 
     event: str
     data: dict[str, Any]
+    connection: int
 
 
 @dataclass(frozen=True)
@@ -194,9 +199,10 @@ class Logged:
 
 @dataclass(frozen=True)
 class Disconnect:
-    """Close the open connection (the core has already left it)."""
+    """Close the open connection, ``connection`` (the core has already left it)."""
 
     reason: str
+    connection: int
 
 
 Output = Answered | Failed | Pushed | Logged | Disconnect
@@ -320,6 +326,11 @@ class ClientSession:
         return self._conn
 
     @property
+    def next_request(self) -> int:
+        """The id the next request will get: a shell knows it before ``request``/``acquire`` returns it."""
+        return self._proto.peek_id()
+
+    @property
     def wants_connection(self) -> bool:
         """Whether the shell's driver has work: connecting, connected, or waiting to try again."""
         return self._state not in (S.IDLE, S.LOST, S.CLOSED)
@@ -428,13 +439,17 @@ class ClientSession:
             self._fresh_grant = None
         self._stop_if_unwanted()
 
-    def send(self, op: str, args: dict[str, Any] | None, now: float) -> None:
-        """A request nobody waits for (its reply is dropped); dropped itself unless registered on a connection."""
+    def send(self, op: str, args: dict[str, Any] | None, now: float, *, connection: int = 0) -> None:
+        """A request nobody waits for (its reply is dropped); dropped itself unless registered on a connection.
+
+        ``connection``: only on that connection (a directive's answer, on the connection the directive
+        came on: once that one is gone, its daemon failed the directive already); 0: on the open one.
+        """
         if not isinstance(op, str) or not op:
             raise ValueError("op must be a non-empty string")
         self._proto.frame(MAX_REQUEST_ID, op, args)
         self._accept(In.SEND)
-        if self._state in (S.REACQUIRE, S.READY):
+        if self._state in (S.REACQUIRE, S.READY) and connection in (0, self._conn):
             self._send_untracked(op, args, now)
 
     def close(self, now: float) -> None:
@@ -690,7 +705,7 @@ class ClientSession:
 
     def _disconnect(self, reason: str) -> None:
         if self._conn:
-            self._emit(Disconnect(reason))
+            self._emit(Disconnect(reason, self._conn))
             self._forget_connection()
 
     def _forget_connection(self) -> None:
@@ -813,4 +828,4 @@ class ClientSession:
             self._log(WARNING, f"job {self.job!r}: {push.data.get('reason', push.event.replace('_', ' '))}")
         if push.event == "lock_lost":
             self._fresh_grant = None
-        self._emit(Pushed(push.event, push.data))
+        self._emit(Pushed(push.event, push.data, self._conn))

@@ -23,6 +23,19 @@ log = logging.getLogger("timesliced.client")
 _NOT_YET = errors.PermissionDenied("the token is read before the client connects over TCP")
 
 
+class _Process:
+    """This process's id, kept by a fork hook, so a client's check on every call makes no system call."""
+
+    pid = os.getpid()
+
+
+def _forked() -> None:
+    _Process.pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class ShellBase:
     """The constructor and the read-only view of a client; see ``Client`` for the arguments.
 
@@ -108,7 +121,21 @@ class ShellBase:
             connect_timeout=connect_timeout,
             request_timeout=request_timeout,
         )
+        self._pid = _Process.pid  # the process whose connection this is (``_foreign``)
         self._start_io()
+
+    def _foreign(self) -> errors.ConnectionLost | None:
+        """In a process forked from the one that made this client: the error its calls raise, else None.
+
+        The child shares the parent's socket: anything it wrote would act for the parent (a release),
+        and the parent's reader thread, which answers, is not in the child.
+        """
+        if self._pid == _Process.pid:
+            return None
+        return errors.ConnectionLost(
+            f"this client was made by process {self._pid}, and process {_Process.pid} is a fork of it: "
+            "its connection is the parent's; make a new client in this process"
+        )
 
     def _start_io(self) -> None:
         """The shell's own state (sockets, waiters, its driver)."""
@@ -176,24 +203,35 @@ class ShellBase:
     def _logged(self, out: Logged) -> None:
         log.log(out.level, "%s", out.message)
 
-    def _pushed(self, out: Pushed) -> None:
+    def _directed(self, out: Pushed) -> None:
+        """A push's rooms and directive, carried out in the order the core put the pushes out.
+
+        Cheap, never blocks, runs no user code: the sync client does it under its lock, as it drains
+        the core, so a room is never opened after its connection's end was handled, nor relayed to
+        before its directive arrived, whichever thread read the bytes.
+        """
         if out.event == "offload":
-            self._rooms.opened(out.data)  # before any room relayed for it can arrive
-            self._run_directive(out.data)
+            self._rooms.opened(out.connection, out.data)  # before any room relayed for it can arrive
+            self._run_directive(out.data, out.connection)
         elif out.event == "offload_room":
-            self._rooms.relayed(out.data)
+            self._rooms.relayed(out.connection, out.data)
+
+    def _pushed(self, out: Pushed) -> None:
+        """A push for the user's ``on_push`` (after ``_directed``)."""
         if self.on_push is not None:
             try:
                 self.on_push(out.event, out.data)
             except Exception:
                 log.exception("on_push callback failed")
 
-    def _run_directive(self, data: dict[str, Any]) -> None:
-        """Carry out an offload directive off the reader, then answer ``offload_done``."""
+    def _run_directive(self, data: dict[str, Any], connection: int) -> None:
+        """Hand an offload directive to the worker, which answers ``offload_done`` on ``connection`` only."""
         raise NotImplementedError
 
-    def _directive(self, data: dict[str, Any], send: Callable[[str, dict[str, Any]], None]) -> dict[str, Any]:
-        """Run one directive (in the worker thread); ``send(op, args)`` hands a request to the core.
+    def _directive(
+        self, data: dict[str, Any], connection: int, send: Callable[[str, dict[str, Any]], None]
+    ) -> dict[str, Any]:
+        """Run one directive of ``connection`` (in the worker thread); ``send(op, args)`` hands a request to the core.
 
         A streamed park reports each freed region as ``offload_progress``; a streamed unpark
         waits on its room. Returns the ``offload_done`` args.
@@ -204,6 +242,6 @@ class ShellBase:
             send("offload_progress", {"directive": directive, "freed": {str(g): n for g, n in gpus.items()}})
 
         try:
-            return run_directive(self.offloader, data, room=self._rooms.room(directive), freed=freed)
+            return run_directive(self.offloader, data, room=self._rooms.room(connection, directive), freed=freed)
         finally:
-            self._rooms.closed(directive)
+            self._rooms.closed(connection, directive)

@@ -126,10 +126,17 @@ class Client(ShellBase):
         ``reconnect`` seconds; the error then says what was found (a socket file
         with nothing listening on it, say).
         """
-        self._wait(self._submit(self._core.wait_ready))
+        self._request(self._core.wait_ready)
 
     def close(self) -> None:
-        """Close the connection; a held lock is released by the daemon. Waiting calls raise ``ConnectionLost``."""
+        """Close the connection; a held lock is released by the daemon. Waiting calls raise ``ConnectionLost``.
+
+        In a process forked from the one that made the client, it only closes this process's copy of
+        the socket: the connection, and the lock it may hold, stay the parent's.
+        """
+        if self._foreign() is not None:
+            self._forsake()
+            return
         self._step(self._core.close)
         reader = self._reader
         if reader is not None and reader is not threading.current_thread():
@@ -165,9 +172,7 @@ class Client(ShellBase):
         or none (``timesliced.gang`` does it for clients of one process). One member that
         stops waiting withdraws the gang: the others raise ``AcquireCancelled``.
         """
-        grant: Grant = self._wait(
-            self._submit(functools.partial(self._core.acquire, timeout, gang=gang, members=members))
-        )
+        grant: Grant = self._request(functools.partial(self._core.acquire, timeout, gang=gang, members=members))
         return grant
 
     def release(self) -> dict[str, Any]:
@@ -250,44 +255,104 @@ class Client(ShellBase):
     # --- waiting for the core ----------------------------------------------------------
 
     def _call(self, op: str, args: dict[str, Any] | None = None) -> Any:
-        return self._wait(self._submit(lambda now: self._core.request(op, args, now)))
+        return self._request(lambda now: self._core.request(op, args, now))
+
+    def _request(self, start: Callable[[float], int]) -> Any:
+        """``_submit`` then ``_wait``, with nothing between them that an interrupt could land in unseen."""
+        rid = 0
+        try:
+            rid, future, deadline = self._submit(start)
+            return self._follow(rid, future, deadline)
+        except errors.TimeslicedError:
+            raise  # the request's own answer
+        except BaseException:  # KeyboardInterrupt: never leave a ghost waiter
+            if rid:
+                self._withdraw(rid)
+            raise
 
     def _submit(self, start: Callable[[float], int]) -> Waiter:
-        """Hand the core a request (connecting first if need be); returns its id, answer and first deadline."""
+        """Hand the core a request (connecting first if need be); returns its id, answer and first deadline.
+
+        Raises ``ConnectionLost`` at once in a process forked from the client's own. Whatever raises
+        once ``start`` made the request (a signal's exception in the main thread, say) withdraws it, as
+        ``_wait`` does: an acquire is never left to be granted to nobody.
+        """
+        if (foreign := self._foreign()) is not None:
+            raise foreign
         future = _Answer()
-        with self._lock:
-            rid = start(time.monotonic())
-            self._waiters[rid] = future
-            later = self._flush()
-            self._ensure_reader()
-            deadline = self._core.deadline_of(rid)
-        if later:
+        later: list[tuple[_Answer | None, Output]] = []
+        rid = 0  # set: the request is made and not withdrawn
+        try:
+            with self._lock:
+                rid = self._core.next_request  # what ``start`` numbers it: no other thread starts one meanwhile
+                try:
+                    self._waiters[rid] = future
+                    made = start(time.monotonic())
+                    assert made == rid, (made, rid)
+                    self._flush(later)
+                    self._ensure_reader()
+                    deadline = self._core.deadline_of(rid)
+                except BaseException:
+                    self._waiters.pop(rid, None)
+                    if self._core.next_request > rid:  # it was made (under this lock: by this call)
+                        self._core.abandon(rid, time.monotonic())
+                        self._flush(later)
+                        self._wakeup.set()  # as ``_step``: the reader may wait for an attempt nobody wants now
+                    rid = 0  # withdrawn here, or never made
+                    raise
             self._dispatch(later)
+        except BaseException:
+            try:
+                if rid:
+                    self._withdraw(rid)
+            finally:
+                self._dispatch(later)  # what is left of it
+            raise
         return rid, future, deadline
 
     def _wait(self, waiter: Waiter) -> Any:
-        """The request's result; the caller keeps the core's deadline for it (the reader may be busy connecting).
+        """The request's result; a caller that stops waiting (KeyboardInterrupt) withdraws it."""
+        rid, future, deadline = waiter
+        try:
+            return self._follow(rid, future, deadline)
+        except errors.TimeslicedError:
+            raise  # the request's own answer
+        except BaseException:  # KeyboardInterrupt: never leave a ghost waiter
+            self._withdraw(rid)
+            raise
+
+    def _follow(self, rid: int, future: _Answer, deadline: float | None) -> Any:
+        """Wait for ``future``; the caller keeps the core's deadline for it (the reader may be busy connecting).
 
         On an open connection this thread reads the socket itself while it waits (``_read_for``), so the
         answer wakes it directly, not the reader thread first.
         """
-        rid, future, deadline = waiter
-        try:
-            while True:
-                self._read_for(future, deadline)
-                try:
-                    return future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    self._step(self._core.handle_timers)
-                with self._lock:
-                    deadline = self._core.deadline_of(rid)
-        except errors.TimeslicedError:
-            raise  # the request's own answer
-        except BaseException:  # KeyboardInterrupt: never leave a ghost waiter
+        while True:
+            self._read_for(future, deadline)
+            try:
+                return future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                self._step(self._core.handle_timers)
             with self._lock:
-                self._waiters.pop(rid, None)
-            self._step(functools.partial(self._core.abandon, rid))
-            raise
+                deadline = self._core.deadline_of(rid)
+
+    def _withdraw(self, rid: int) -> None:
+        """The caller of ``rid`` stopped waiting: the core abandons it (an acquire leaves the queue)."""
+        with self._lock:
+            self._waiters.pop(rid, None)
+        self._step(functools.partial(self._core.abandon, rid))
+
+    def _forsake(self) -> None:
+        """In a forked child: let go of the parent's socket here, sending nothing, taking no lock.
+
+        Closing this process's descriptor leaves the connection open (the parent's descriptor still
+        refers to it), and ``shutdown`` would end it for the parent too, so it is not called. The
+        epoll set is shared with the parent's reader thread, so it is not touched either. The lock may
+        have been copied held (another thread of the parent had it): it is not taken.
+        """
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
 
     def _read_for(self, future: _Answer, deadline: float | None) -> None:
         """Read the socket in this thread until ``future`` is answered or ``deadline`` passes.
@@ -355,55 +420,86 @@ class Client(ShellBase):
             self._core.receive_data(conn, data, time.monotonic())
         else:
             self._core.connection_lost(conn, time.monotonic(), reason)
-            self._rooms.lost(reason)  # a streamed unpark waiting for room ends (its regions stay parked)
+            self._rooms.lost(reason, conn)  # a streamed unpark waiting for room ends (its regions stay parked)
         return self._flush()
 
     def _step(self, action: Callable[[float], T]) -> T:
-        """One input into the core, then its outputs carried out."""
-        with self._lock:
-            result = action(time.monotonic())
-            later = self._flush()
-            idle = not self._core.connection
-        if idle:
-            self._wakeup.set()  # the reader may be waiting for its next attempt: let it look again
-        self._dispatch(later)
+        """One input into the core, then its outputs carried out (all of them, whatever raises)."""
+        later: list[tuple[_Answer | None, Output]] = []
+        try:
+            with self._lock:
+                result = action(time.monotonic())
+                self._flush(later)
+                idle = not self._core.connection
+            if idle:
+                self._wakeup.set()  # the reader may be waiting for its next attempt: let it look again
+        finally:
+            self._dispatch(later)
         return result
 
-    def _flush(self) -> list[tuple[_Answer | None, Output]]:
-        """Under the lock: send what the core wrote, close what it left; the rest is for ``_dispatch``."""
-        data = self._core.data_to_send()
-        if data and self._sock is not None:
-            try:
+    def _flush(self, later: list[tuple[_Answer | None, Output]] | None = None) -> list[tuple[_Answer | None, Output]]:
+        """Under the lock: send what the core wrote, close what it left, carry out the pushes' rooms and
+        directives in the core's order; the rest (answers, pushes, logs) is added to ``later`` for ``_dispatch``.
+        """
+        if later is None:
+            later = []
+        try:
+            data = self._core.data_to_send()
+            if data and self._sock is not None:
                 self._sock.sendall(data)
-            except OSError:
-                self._shutdown()  # the reader sees the connection end and tells the core
+        except OSError:
+            self._shutdown()  # the reader sees the connection end and tells the core
+        except BaseException:
+            # A signal's exception between taking the frames and sending them all: the stream is cut
+            # (frames lost, or half a frame sent). The connection ends; the next one re-sends every request.
+            self._shutdown()
+            raise
         wakes, due = self._wakes, self._core.next_deadline()
         if wakes is not None and due is not None and due < self._reader_until:
             self._reader_until = due
             wakes.wake(wakes.reader)  # a timer came sooner than the reader thread sleeps
-        later: list[tuple[_Answer | None, Output]] = []
         for out in self._core.drain():
             if isinstance(out, Disconnect):
                 self._shutdown()
-                self._rooms.lost(out.reason)  # never read again: its end would not tell the rooms
+                self._rooms.lost(out.reason, out.connection)  # never read again: its end would not tell the rooms
             elif isinstance(out, (Answered, Failed)):
                 if (future := self._waiters.pop(out.rid, None)) is not None:
                     later.append((future, out))
             else:
+                if isinstance(out, Pushed):
+                    self._directed(out)  # rooms and directives here, in the stream's order
                 later.append((None, out))
         return later
 
     def _dispatch(self, later: list[tuple[_Answer | None, Output]]) -> None:
-        """Outside the lock: wake the waiters, run the user's callbacks."""
-        for future, out in later:
-            if isinstance(out, Answered) and future is not None:
-                future.set_result(out.value)
-            elif isinstance(out, Failed) and future is not None:
-                future.set_exception(out.error)
-            elif isinstance(out, Pushed):
-                self._pushed(out)
-            elif isinstance(out, Logged):
-                self._logged(out)
+        """Outside the lock: wake the waiters, then run the user's callbacks and log.
+
+        It gets through the whole list whatever raises (a signal's exception in the main thread, which
+        dispatches other threads' answers too): the answers first, since a waiter left unanswered waits
+        for ever; then the first error is raised again. It takes what it carried out from ``later``,
+        so a caller may hand it what is left again.
+        """
+        error: BaseException | None = None
+        while later:
+            try:
+                for i, (future, out) in enumerate(later):
+                    if future is not None:
+                        if not future.settled:  # a pass cut short looks at it again: it is set once
+                            if isinstance(out, Answered):
+                                future.set_result(out.value)
+                            elif isinstance(out, Failed):
+                                future.set_exception(out.error)
+                        later[i] = (None, out)
+                while later:
+                    out = later.pop(0)[1]  # taken before it runs: a callback runs at most once
+                    if isinstance(out, Pushed):
+                        self._pushed(out)
+                    elif isinstance(out, Logged):
+                        self._logged(out)
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     def _shutdown(self) -> None:
         sock, self._sock = self._sock, None
@@ -536,17 +632,20 @@ class Client(ShellBase):
 
     # --- offload directives --------------------------------------------------------------
 
-    def _run_directive(self, data: dict[str, Any]) -> None:
+    def _run_directive(self, data: dict[str, Any], connection: int) -> None:
+        """Under the lock (``_flush``): directives reach the worker in the order the daemon sent them."""
         pool = self._directives
         if pool is not None:  # None once closed: nothing may move after close() returns
             try:
-                pool.submit(self._carry_out, data)
+                pool.submit(self._carry_out, data, connection)
             except RuntimeError:
                 pass  # closing
 
-    def _carry_out(self, data: dict[str, Any]) -> None:
-        answer = self._directive(data, lambda op, args: self._step(functools.partial(self._core.send, op, args)))
-        self._step(functools.partial(self._core.send, "offload_done", answer))
+    def _carry_out(self, data: dict[str, Any], connection: int) -> None:
+        def send(op: str, args: dict[str, Any]) -> None:  # on the directive's own connection, or not at all
+            self._step(functools.partial(self._core.send, op, args, connection=connection))
+
+        send("offload_done", self._directive(data, connection, send))
 
 
 def daemon_status(

@@ -11,11 +11,22 @@ the ``room`` the relay grants it at once, and every later grant, the limit's end
 call-off (``cancel``) goes to its connection as ``offload_room``; an unpark told after the relay
 ended gets that end right after its directive. What each connection needs per GPU is its latest
 answer's footprint (its job's memory there when resident).
+
+Directive numbers never repeat across restarts of the node's daemon: a client still finishing a
+directive of the daemon that died must not have its answer taken for the restarted daemon's directive
+of the same number. They start from the wall clock in microseconds (``time.time_ns() // 1000``) and
+count up by one: a restarted daemon starts above every number the one before it sent, unless that one
+sent more directives than microseconds it ran (each is a push over a socket, and a daemon starts in
+far more than that) or the wall clock was set back between the two starts. No write per directive
+and no file: the client's side holds without it anyway (its rooms and answers go with the connection
+a directive came on). The numbers stay below 2**53 until the year 2255, so they are exact in JSON too,
+and the wire takes any non-negative integer (``arg_int``; msgpack up to 2**64 - 1).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,18 +39,21 @@ MAX_ERROR_CHARS = 1024
 
 
 class Directives:
-    def __init__(self, connections_of: Callable[[str], list[Connection]]) -> None:
-        """``connections_of(job)``: the job's connections on this node, in a stable order."""
+    def __init__(self, connections_of: Callable[[str], list[Connection]], *, first: int | None = None) -> None:
+        """``connections_of(job)``: the job's connections on this node, in a stable order.
+
+        ``first``: the first directive's number (default: the wall clock's microseconds, module docstring).
+        """
         self._connections_of = connections_of
         self._waiting: dict[int, tuple[Connection, asyncio.Future[dict[str, Any]]]] = {}  # id -> (conn, answer)
         self._relays: dict[int, tuple[Relay, bool]] = {}  # directive -> (its swap's relay, is it the park)
         self._footprints: dict[int, dict[int, int]] = {}  # connection -> its latest answer's footprint
-        self._next = 1
+        self._first = self._next = time.time_ns() // 1_000 if first is None else first
 
     @property
     def last(self) -> int:
         """The id of the latest directive sent (0: none yet)."""
-        return self._next - 1
+        return 0 if self._next == self._first else self._next - 1
 
     async def direct(
         self, job: str, action: str, args: dict[str, Any], *, relay: Relay | None = None
