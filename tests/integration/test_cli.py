@@ -257,4 +257,5 @@ def test_serve_on_a_socket_path_too_long_for_its_address_says_so_in_one_line(tmp
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("timesliced: the socket path ") and last.endswith("give a shorter --socket or --state-dir")
     assert "Traceback" not in result.stderr, result.stderr
-    assert not default_sim_dir(tmp_path / "s").exists()  # the simulated GPU it had made went with it
+    sim = default_sim_dir(tmp_path / "s")  # the simulated GPU it had made went with it, but for its lock
+    assert [p.name for p in sim.iterdir()] == ["daemon.lock"]
