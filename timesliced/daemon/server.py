@@ -160,6 +160,7 @@ class ClientServer:
         }
         self._ids = itertools.count(1)
         self._servers: list[asyncio.Server] = []
+        self._closing = False
         self.addresses: list[str] = []
 
     async def start_unix(self, path: Path) -> None:
@@ -195,11 +196,18 @@ class ClientServer:
         return bound[0], bound[1]
 
     async def close(self) -> None:
+        self._closing = True
         for server in self._servers:
             server.close()
-        for conn in list(self.connections.values()):
+        conns = list(self.connections.values())
+        for conn in conns:
             conn.close()
         await asyncio.sleep(0)  # a closed transport lets its socket go on the loop's next pass
+        for conn in conns:
+            # One whose client reads nothing holds its last frames, and its socket, until they are
+            # written: the daemon is going, so they go now (a transport already gone ignores this).
+            conn.transport.abort()
+        await asyncio.sleep(0)
         for server in self._servers:
             await server.wait_closed()
 
@@ -222,6 +230,9 @@ class ClientServer:
         return quiet
 
     def accept(self, transport: asyncio.Transport, kind: str) -> Connection | None:
+        if self._closing:  # accepted by the kernel as the daemon stopped: nothing will serve it
+            transport.abort()
+            return None
         peer = Peer(kind)
         sock = transport.get_extra_info("socket")
         if kind == "unix" and sock is not None and hasattr(socket, "SO_PEERCRED"):
