@@ -11,8 +11,8 @@ The daemon's side (arenas, parking, restoring) is the ``sim`` backend.
 # warm-copy ceiling of 7-11 GB/s as the machine is loaded). Once the pool is warm, lone moves of any
 # size follow models up to about the ceiling of copies in the sim's chunks, swaps of 16 MiB and more
 # up to about 6 GB/s (their two directions copy at once, on two cores), and 1 MiB swaps up to about
-# 5 GB/s: their two copies run one after the other in one thread (handing one to another thread costs
-# more than it), and with three control-file commits and the rest they take some 0.2-0.25 ms
+# 4.5-5 GB/s: their two copies run one after the other in one thread (handing one to another thread
+# costs more than it), and with three control-file commits and the rest they take some 0.2-0.28 ms
 # (``timesliced bench copy``). A real PCIe link is faster (about 25 GB/s for PCIe 4.0
 # x16), so a switch on the sim costs more than on a GPU: a benchmark on the sim shows the daemon's
 # switch costs with a modest link, never page faults.
