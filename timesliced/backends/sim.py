@@ -631,12 +631,7 @@ class SimBackend:
             if busy is None:  # nothing to stream: the halves go one after the other, as lone moves
                 return SwapResult(await _outcome(self.snapshot(a_name)), await _outcome(self.restore(b_name)))
             await busy.wait()
-        try:
-            return await _to_the_end(self._swap, a, b, claims)
-        except asyncio.CancelledError:
-            for claim in claims:
-                claim.abort.set()
-            raise
+        return await _to_the_end(claims, self._swap, a, b, claims)
 
     def _helper_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         """The thread a swap's park copies in while the restore copies in the swap's own: one for the backend.
@@ -669,11 +664,7 @@ class SimBackend:
                     j.move = claim = _Move()
                     break
             await busy.wait()
-        try:
-            return await _to_the_end(work, j, claim)
-        except asyncio.CancelledError:
-            claim.abort.set()
-            raise
+        return await _to_the_end((claim,), work, j, claim)
 
     def _snapshot(self, j: _Job, move: _Move) -> MoveResult:
         start = time.perf_counter()
@@ -1256,10 +1247,10 @@ class SimBackend:
                         f.unlink()
 
 
-async def _to_the_end(work: Callable[..., _T], *args: Any) -> _T:
+async def _to_the_end(claims: Iterable[_Move], work: Callable[..., _T], *args: Any) -> _T:
     """``work(*args)`` in a worker thread, which runs it to its end even when the caller is cancelled.
 
-    The work releases the claims of its move (``_finish``), so it must run whatever happens to its
+    The work releases the ``claims`` of its move (``_finish``), so it must run whatever happens to its
     caller: ``asyncio.to_thread`` would drop work that no thread had started yet when its caller was
     cancelled (the default executor's threads are shared, so that happens under load), leaving the
     job claimed for good. A cancelled caller sets its claims' abort, so the work ends at once.
@@ -1268,6 +1259,8 @@ async def _to_the_end(work: Callable[..., _T], *args: Any) -> _T:
     try:
         return await asyncio.shield(done)
     except asyncio.CancelledError:
+        for claim in claims:
+            claim.abort.set()
         done.add_done_callback(_leave_unread)
         raise
 
