@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import math
@@ -22,6 +23,7 @@ from .directives import directive_worker
 from .protocol import Address, dial_failure, find_token, hello_args, resolve_address
 from .session import Answered, Disconnect, Failed, Logged, Output, Pushed, State
 from .shell import ShellBase
+from .signals import HELD
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -360,13 +362,13 @@ class Client(ShellBase):
         Returns at once when there is no open connection or another caller reads it (the reader thread
         or that caller then answers ``future``), and when the connection goes (the reader thread reconnects).
 
-        The main thread never reads: Python runs signal handlers there, between any two steps, so a
-        ``KeyboardInterrupt`` (or a SIGTERM handler's ``SystemExit``) could land between the ``recv`` and the
-        core and lose what was read (other threads' answers, the daemon's pushes, half a frame). It waits
-        for the reader thread to answer instead, as every caller does while another one reads.
+        In the main thread, Python runs signal handlers between any two steps, so a ``KeyboardInterrupt``
+        (or a SIGTERM handler's ``SystemExit``) could land between the ``recv`` and the core and lose what
+        was read (other threads' answers, the daemon's pushes, half a frame). There each read is made
+        with the handlers held (``HELD``): what they raise comes once the bytes are in the core and its
+        outputs in ``later``, which is dispatched whatever raises. The wait itself (``poll``) is not held.
         """
-        if threading.current_thread() is threading.main_thread():
-            return
+        held = HELD if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
         taken = False  # this caller took the socket: the finally gives it back, whatever raised where
         try:
             with self._lock:
@@ -389,12 +391,15 @@ class Client(ShellBase):
                     return  # the deadline: the caller keeps the core's timers
                 if any(fd == wakes.caller for fd, _ in events):
                     wakes.drain(wakes.caller)
-                with self._lock:
-                    if self._sock is not sock:
-                        return  # the connection ended or was left
-                    later = self._receive(sock, conn)
-                    gone = self._core.connection != conn
-                self._dispatch(later)
+                later: list[tuple[_Answer | None, Output]] = []
+                try:
+                    with held, self._lock:
+                        if self._sock is not sock:
+                            return  # the connection ended or was left
+                        self._receive(sock, conn, later)
+                        gone = self._core.connection != conn
+                finally:
+                    self._dispatch(later)
                 if gone:
                     return
         finally:
@@ -407,13 +412,13 @@ class Client(ShellBase):
                     else:
                         wakes.wake(wakes.reader)  # left by the core: the reader thread closes it now
 
-    def _receive(self, sock: socket.socket, conn: int) -> list[tuple[_Answer | None, Output]]:
-        """Under the lock: what the socket holds now into the core (its end too); the outputs for ``_dispatch``."""
+    def _receive(self, sock: socket.socket, conn: int, later: list[tuple[_Answer | None, Output]]) -> None:
+        """Under the lock: what the socket holds now into the core (its end too); the outputs into ``later``."""
         try:
             data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
             reason = "the daemon closed the connection"
         except BlockingIOError:
-            return []  # another thread read it first
+            return  # another thread read it first
         except OSError as exc:
             data, reason = b"", f"connection to the daemon failed: {exc}"
         if data:
@@ -421,7 +426,7 @@ class Client(ShellBase):
         else:
             self._core.connection_lost(conn, time.monotonic(), reason)
             self._rooms.lost(reason, conn)  # a streamed unpark waiting for room ends (its regions stay parked)
-        return self._flush()
+        self._flush(later)
 
     def _step(self, action: Callable[[float], T]) -> T:
         """One input into the core, then its outputs carried out (all of them, whatever raises)."""
@@ -538,9 +543,10 @@ class Client(ShellBase):
         try:
             while True:
                 if readable and sock is not None:  # the answers first: their callers wake while this keeps the books
+                    later: list[tuple[_Answer | None, Output]] = []
                     with self._lock:
                         self._reader_until = -math.inf
-                        later = self._receive(sock, conn)
+                        self._receive(sock, conn, later)
                     self._dispatch(later)
                 with self._lock:
                     self._reader_until = -math.inf
