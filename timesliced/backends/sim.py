@@ -254,6 +254,7 @@ def _wait_until(due: float, abort: threading.Event, other: threading.Event | Non
 
 
 _fallocate = os.posix_fallocate  # a seam for tests: a full tmpfs fails here with ENOSPC
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # what of ``posix_fallocate``'s errors is a lack of room (``_back``)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -759,10 +760,10 @@ class SimBackend:
             placed.append(dataclasses.replace(r, extents=extents))
             try:
                 self._back(r.gpu, extents)
-            except errors.InsufficientHostMemory:  # nothing written: the parked copy is whole
+            except errors.TimeslicedError as exc:  # nothing written: the parked copy is whole
                 for done in placed:
                     self._allocators[done.gpu].give(done.extents)
-                raise
+                _refuse_restore(j.name, exc)
         for record in placed:
             self._zero_tail(record)
         return placed
@@ -1070,23 +1071,40 @@ class SimBackend:
         The arena is a sparse file: writing through its mapping into a page the file system cannot
         allocate (a full tmpfs) kills the writer with SIGBUS, the daemon or a job alike.
         ``posix_fallocate`` fails with ``ENOSPC`` instead, and costs little on pages that are there
-        already. Raises ``InsufficientHostMemory``; nothing was written.
+        already. Raises ``InsufficientHostMemory`` when the file system has no room, ``BackendError``
+        for any other failure; either way nothing was written.
+
+        ``os.posix_fallocate`` raises ``OSError`` with the error number ``posix_fallocate(3)`` returns
+        (it sets no ``errno``), and retries ``EINTR`` itself. The page's errors: ``ENOSPC`` (not enough
+        space on the file system), ``EBADF`` (not a descriptor open for writing), ``EFBIG`` (past the
+        largest file), ``EINVAL`` (a bad offset or length, or a file system that does not support the
+        operation), ``ENODEV`` (not a regular file), ``ESPIPE`` (a pipe), ``EOPNOTSUPP`` (a C library
+        that does not emulate it on such a file system, as musl), and from ``fallocate(2)`` beneath it
+        ``EIO``. Only ``ENOSPC`` and ``EDQUOT`` (a quota's limit, which the page does not list but a
+        file system with quotas returns: tmpfs since Linux 6.6, ext4, XFS) are a lack of room; the rest
+        say the root's file system cannot hold the arena, which no freed memory would change.
         """
         backed = self._backed[gpu]
         todo = _runs([p for p in _pages(extents) if not backed[p]])
         if not todo:
             return
-        fd = os.open(arena_path(self.root, gpu), os.O_RDWR)
+        path = arena_path(self.root, gpu)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise self._unbacked(gpu, path, exc) from None
         try:
             for page, count in todo:
                 try:
                     _fallocate(fd, page * self.page_size, count * self.page_size)
                 except OSError as exc:
-                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.pool.drop():
+                    if exc.errno not in _NO_ROOM or not self.pool.drop():
                         raise
                     _fallocate(fd, page * self.page_size, count * self.page_size)  # the pool given back
                 backed[page : page + count] = b"\x01" * count
         except OSError as exc:
+            if exc.errno not in _NO_ROOM:
+                raise self._unbacked(gpu, path, exc) from None
             nbytes = sum(n for _, n in extents) * self.page_size
             raise errors.InsufficientHostMemory(
                 f"no room in {self.root} for {exact_size(nbytes)} of gpu {gpu}'s simulated device pages "
@@ -1095,6 +1113,16 @@ class SimBackend:
             ) from None
         finally:
             os.close(fd)
+
+    def _unbacked(self, gpu: int, path: Path, exc: OSError) -> errors.BackendError:
+        """The error for an arena whose pages its file system would not allocate, for a cause other than room."""
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        return errors.BackendError(
+            f"cannot allocate gpu {gpu}'s simulated device pages in {path}: {name} ({exc.strerror}). The file "
+            f"system of {self.root} does not take the arena as it should; nothing was written. Check that it is "
+            "mounted and healthy and supports fallocate (a tmpfs does; give --sim-dir one), then try again",
+            gpu=gpu,
+        )
 
     def _punch(self, gpu: int, extents: tuple[Extent, ...]) -> None:
         """Zero pages, handing their memory back to the host where the file system can."""
@@ -1306,6 +1334,19 @@ async def _outcome(move: Coroutine[Any, Any, MoveResult]) -> MoveResult | Except
         return await move
     except Exception as exc:
         return exc
+
+
+def _refuse_restore(job: str, exc: errors.TimeslicedError) -> NoReturn:
+    """Raise for a restore whose pages ``_back`` could not allocate: nothing went into them, the parked copy is whole.
+
+    Lack of room is ``InsufficientHostMemory`` already, a state-intact error; any other failure is
+    refused the same way (``RestoreRefused``), not left to fault the job.
+    """
+    if errors.state_intact(exc):
+        raise exc
+    raise errors.RestoreRefused(
+        f"restore of job {job!r} found no usable device pages: {exc.message}; the job stays parked, whole"
+    ) from exc
 
 
 def _runs(pages: list[int]) -> tuple[Extent, ...]:
@@ -1650,10 +1691,10 @@ class _Swap:
                 fresh = free.take(min(npages - len(got), free.free_pages)) or ()
                 try:
                     sim._back(r.gpu, fresh)  # pages no park handed over may not be there yet (a full tmpfs)
-                except errors.InsufficientHostMemory:
+                except errors.TimeslicedError as exc:
                     free.give(fresh)
                     self.pool.setdefault(r.gpu, [])[:0] = got
-                    raise
+                    _refuse_restore(b.name, exc)
                 got += _pages(fresh)
         self.b_placed[r.region] += got
         src, base = self.b_src.address, sim._addresses[r.gpu]
