@@ -14,6 +14,7 @@ import pytest
 import timesliced
 from timesliced import errors
 from timesliced.bench.cluster import LocalCluster
+from timesliced.client.gang import acquire_gang, acquire_gang_async
 from timesliced.config import DaemonConfig
 from timesliced.core.policy import QueuePolicy
 from timesliced.daemon.embedded import EmbeddedDaemon
@@ -200,6 +201,69 @@ def test_a_gang_that_times_out_leaves_nothing_held(daemon: EmbeddedDaemon) -> No
             pass
         assert not trainer.lock.holding and not sampler.lock.holding
         wait_for(lambda: group(rival, "trainers")["queue"] == [] and group(rival, "samplers")["queue"] == [])
+
+
+def nothing_queued_or_held(c: Any) -> bool:
+    groups = [group(c, "trainers"), group(c, "samplers")]
+    return all(g["queue"] == [] and g["holder"] is None for g in groups)
+
+
+def test_a_gang_interrupted_while_it_submits_leaves_no_member_queued(
+    daemon: EmbeddedDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt as the second member is submitted: the first, submitted already, is withdrawn.
+
+    Left queued, it would wait at the head of the free trainers group for a gang that never completes,
+    holding that group from every other job until its timeout: a ghost granted to nobody.
+    """
+    sock = str(daemon.socket)
+    with (
+        timesliced.Client("trainer", "trainers", address=sock, gpus=[0]) as trainer,
+        timesliced.Client("sampler", "samplers", address=sock, gpus=[1]) as sampler,
+        timesliced.Client("rival", "trainers", address=sock, gpus=[0]) as rival,
+    ):
+
+        def interrupted(*args: object, **kwargs: object) -> object:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(sampler, "_submit", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            acquire_gang(trainer, sampler, timeout=30.0)
+        monkeypatch.undo()
+        wait_for(lambda: nothing_queued_or_held(rival), timeout=5.0)
+        assert rival.acquire(timeout=5.0).group == "trainers"  # at once: no member waits ahead of it
+        assert not trainer.lock.holding and not sampler.lock.holding
+
+
+def test_an_async_gang_cancelled_while_it_submits_leaves_no_member_queued(
+    daemon: EmbeddedDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> None:
+        sock = str(daemon.socket)
+        async with (
+            timesliced.AsyncClient("trainer", "trainers", address=sock, gpus=[0]) as trainer,
+            timesliced.AsyncClient("sampler", "samplers", address=sock, gpus=[1]) as sampler,
+            timesliced.AsyncClient("rival", "trainers", address=sock, gpus=[0]) as rival,
+        ):
+
+            def cancelled(*args: object, **kwargs: object) -> object:
+                raise asyncio.CancelledError
+
+            monkeypatch.setattr(sampler, "_submit", cancelled)
+            with pytest.raises(asyncio.CancelledError):
+                await acquire_gang_async(trainer, sampler, timeout=30.0)
+            monkeypatch.undo()
+            for _ in range(250):
+                groups = [g for g in (await rival.status())["groups"] if g["group"] in ("trainers", "samplers")]
+                if all(g["queue"] == [] and g["holder"] is None for g in groups):
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError(f"a member is still queued or held: {groups}")
+            assert (await rival.acquire(timeout=5.0)).group == "trainers"
+            assert not trainer.lock.holding and not sampler.lock.holding
+
+    asyncio.run(main())
 
 
 def test_async_gang(daemon: EmbeddedDaemon) -> None:

@@ -462,6 +462,75 @@ def test_a_restore_without_room_on_the_gpu_is_refused_with_its_parked_copy_whole
     assert a.read(8) == b"minemine"
 
 
+def failing_fallocate(monkeypatch: pytest.MonkeyPatch, code: int) -> list[str]:
+    """``posix_fallocate`` fails with ``code`` on the simulated GPUs' arenas (parked files are left alone)."""
+    fallocate, failed = sim._fallocate, []
+
+    def fails(fd: int, offset: int, length: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.basename(path).startswith("gpu"):
+            failed.append(path)
+            raise OSError(code, os.strerror(code))
+        fallocate(fd, offset, length)
+
+    monkeypatch.setattr(sim, "_fallocate", fails)
+    return failed
+
+
+@pytest.mark.parametrize(
+    "code", [errno.EBADF, errno.EIO, errno.EINVAL, errno.EOPNOTSUPP, errno.EFBIG], ids=errno.errorcode.get
+)
+def test_device_pages_the_file_system_will_not_allocate_are_a_backend_error_not_a_lack_of_memory(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    b = sims.backend()
+    failed = failing_fallocate(monkeypatch, code)
+    with pytest.raises(errors.BackendError) as caught:
+        b.alloc("a", 0, 3 * PAGE)
+    assert failed and not isinstance(caught.value, errors.InsufficientHostMemory)
+    name = errno.errorcode[code]
+    assert f"{b.root / 'gpu0.arena'}: {name} (" in caught.value.message and "supports fallocate" in caught.value.message
+    assert b.free_bytes(0) == 32 * PAGE and b.job_state("a") == "unknown"  # nothing taken
+    monkeypatch.undo()
+    assert b.alloc("a", 0, 3 * PAGE).nbytes == 3 * PAGE
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=errno.errorcode.get)
+def test_device_pages_without_room_are_a_lack_of_host_memory(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    b = sims.backend()
+    failing_fallocate(monkeypatch, code)
+    with pytest.raises(errors.InsufficientHostMemory, match=r"no room in .* simulated device pages") as caught:
+        b.alloc("a", 0, 3 * PAGE)
+    assert errors.state_intact(caught.value) and b.free_bytes(0) == 32 * PAGE
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["restore", "swap"])
+def test_a_restore_onto_pages_the_file_system_will_not_allocate_is_refused_whole(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, swap: bool
+) -> None:
+    b = sims.backend()
+    a = sims.open(b.alloc("a", 1, 3 * PAGE))
+    a.fill(b"mine")
+    asyncio.run(b.snapshot("a"))
+    b._backed[1][:] = bytes(32)  # as if gpu 1's pages had been given back to the host since
+    if swap:
+        b.alloc("b", 0, PAGE)
+    failing_fallocate(monkeypatch, errno.EIO)
+    result = asyncio.run(b.swap("b", "a")).restore if swap else None
+    if not swap:
+        with pytest.raises(errors.RestoreRefused) as caught:
+            asyncio.run(b.restore("a"))
+        result = caught.value
+    assert isinstance(result, errors.RestoreRefused) and errors.state_intact(result)
+    assert "EIO" in result.message and "stays parked, whole" in result.message
+    assert b.job_state("a") == b.verify("a") == "parked" and b.free_bytes(1) == 32 * PAGE  # no page leaked
+    monkeypatch.undo()
+    asyncio.run(b.restore("a"))
+    assert a.read(8) == b"minemine"
+
+
 def test_a_timed_out_snapshot_rolls_back(sims: Sims) -> None:
     b = sims.backend(bandwidth=8 * MiB)
     r = sims.open(b.alloc("a", 0, 32 * PAGE))  # 2 MiB: a quarter of a second at this bandwidth

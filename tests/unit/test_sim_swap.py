@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import random
 import shutil
@@ -254,3 +255,184 @@ def test_the_crash_check_catches_a_park_that_commits_before_it_copies(
     crashes = crash_roots(b, monkeypatch, tmp_path, write_late=True)
     found = [d for root in crashes if (d := damaged(root, jobs))]
     assert found and all(d.endswith("job a lost bytes") for d in found), found
+
+
+class CommitFaults:
+    """Fails one job's control-file commits with EBADF (a descriptor gone bad): its ``at``-th (1: the first), or on.
+
+    ``seen`` counts the job's commits, failed or not; ``clear()`` lets them land again.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, job: str, *, at: int, once: bool) -> None:
+        self.seen = self.failed = 0
+        self.cleared = False
+        commit, name = layout.CtlWriter.commit, f"{job_key(job)}.ctl"
+
+        def at_commit(writer: layout.CtlWriter, slot: layout.SlotData) -> None:
+            if writer.path.name == name and not self.cleared:
+                self.seen += 1
+                if self.seen == at or (self.seen > at and not once):
+                    self.failed += 1
+                    raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+            commit(writer, slot)
+
+        monkeypatch.setattr(layout.CtlWriter, "commit", at_commit)
+
+    def clear(self) -> None:
+        self.cleared = True
+
+
+def listed_pages_stay_theirs(b: SimBackend) -> str | None:
+    """What breaks the rule start-up relies on: no page a control file lists is free, or listed by two files."""
+    owner: dict[tuple[int, int], str] = {}
+    for path in sorted((b.root / "jobs").glob("*.ctl")):
+        _, slot, _ = layout.read_ctl(path)
+        for r in slot.regions:
+            for first, count in r.extents:
+                for page in range(first, first + count):
+                    if (r.gpu, page) in owner:
+                        return f"gpu {r.gpu} page {page} is listed by {owner[r.gpu, page]} and {path.name}"
+                    owner[r.gpu, page] = path.name
+    for gpu, allocator in enumerate(b._allocators):
+        for first, count in allocator.free_runs():
+            for page in range(first, first + count):
+                if (gpu, page) in owner:
+                    return f"gpu {gpu} page {page} is free, yet {owner[gpu, page]} lists it"
+    return None
+
+
+def each_comes_back(b: SimBackend, jobs: dict[str, list[tuple[RegionInfo, bytes]]]) -> str | None:
+    """Each job in turn on the device, every byte back (the regions opened afresh); what went wrong, or None."""
+    data = {job: {info.region: d for info, d in regions} for job, regions in jobs.items()}
+    for job, other in (("a", "b"), ("b", "a")):
+        asyncio.run(b.snapshot(other))
+        asyncio.run(b.restore(job))
+        if not holds([(info, data[job][info.region]) for info in b.regions(job)]):
+            return f"job {job} lost bytes"
+    return None
+
+
+def swap_with_commit_faults(root: Path, job: str, *, at: int, once: bool) -> tuple[str, int]:
+    """A swap of "a" out for "b" in whose ``job``'s ``at``-th control-file commit fails (and those after, unless
+    ``once``); what went wrong (or "") and how many commits ``job`` made.
+
+    Whatever fails, each job must end whole where the swap's result and ``verify`` say, never faulted;
+    the pages the control files list must stay their job's; and a daemon started on the root afterwards
+    must find each job where this one had it, whole.
+    """
+    sims = Sims(root)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            b, jobs = full_gpu(sims)
+            faults = CommitFaults(mp, job, at=at, once=once)
+            try:
+                result = asyncio.run(b.swap("a", "b"))
+            except errors.ParkRefused as exc:  # failed as it started: nothing moved
+                park: MoveResult | Exception = exc
+                restore: MoveResult | Exception = exc
+            else:
+                park, restore = result.park, result.restore
+            for name, outcome, moved in (("a", park, "parked"), ("b", restore, "resident")):
+                if isinstance(outcome, Exception) and not errors.state_intact(outcome):
+                    return f"job {name} faulted: {outcome}", faults.seen
+                where = moved if isinstance(outcome, MoveResult) else {"a": "resident", "b": "parked"}[name]
+                if (b.job_state(name), b.verify(name)) != (where, where):
+                    return f"job {name} is {b.job_state(name)}/{b.verify(name)}, not {where}", faults.seen
+            if broken := listed_pages_stay_theirs(b):
+                return broken, faults.seen
+            states = {name: b.job_state(name) for name in jobs}
+            b.close()  # as a daemon stops: no commit, the files stay as the faults left them
+            faults.clear()  # the next daemon opens the files afresh
+            adopted = sims.backend()
+            if (found := {name: adopted.job_state(name) for name in jobs}) != states:
+                return f"start-up found {found}, not {states}", faults.seen
+            return each_comes_back(adopted, jobs) or "", faults.seen
+    finally:
+        sims.close()
+
+
+@pytest.mark.parametrize("once", [True, False], ids=["once", "from-then-on"])
+@pytest.mark.parametrize("job", ["a", "b"])
+def test_a_swap_whose_control_file_commits_fail_leaves_each_job_whole_and_unfaulted(
+    root: Path, job: str, once: bool
+) -> None:
+    """Every commit of a swap in turn fails (an EBADF or EIO from tmpfs): the outgoing job's, or the incoming job's.
+
+    The outgoing job's last commit failing once, say, used to fault it with "list index out of range",
+    its bytes whole: the park, stepping on after the error, read past its region's last chunk.
+    """
+    _, commits = swap_with_commit_faults(root / "count", job, at=0, once=True)  # at 0: none fails
+    assert commits == (8 if job == "a" else 1)  # "a": PARKING, 6 hand-overs and PARKED; "b": RESIDENT
+    wrong = {at: swap_with_commit_faults(root / f"at-{at}", job, at=at, once=once)[0] for at in range(1, commits + 1)}
+    assert not {at: why for at, why in wrong.items() if why}, f"commits of job {job} failing"
+
+
+def test_a_park_whose_last_commits_fail_holds_the_pages_its_control_file_lists(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the park's last commit on, the outgoing job's control file takes no write.
+
+    The job is parked, whole; its file still says ``PARKING`` with the last pages it had, which start-up
+    would copy into the parked file: they stay the job's until a write lands. Its restore, whose commit
+    fails too, is refused with the job still parked; once the file takes writes, the restore lands and
+    the pages are free again.
+    """
+    b, jobs = full_gpu(sims)
+    faults = CommitFaults(monkeypatch, "a", at=8, once=False)  # 8: the park's last commit, PARKED
+    result = asyncio.run(b.swap("a", "b"))
+    assert faults.failed == 2  # the commit, and the one more try
+    assert isinstance(result.park, MoveResult) and isinstance(result.restore, MoveResult)
+    assert b.job_state("a") == b.verify("a") == "parked" and holds(jobs["b"])
+    _, slot, _ = layout.read_ctl(b.root / "jobs" / f"{job_key('a')}.ctl")
+    listed = sum(n for r in slot.regions for _, n in r.extents)
+    assert slot.state == layout.PARKING and listed == 2  # the last chunk's pages: 2 of region 1's 8
+    assert b.free_bytes(0) == (8 - listed) * PAGE and listed_pages_stay_theirs(b) is None
+
+    asyncio.run(b.snapshot("b"))
+    with pytest.raises(errors.RestoreRefused, match="stays parked, whole") as refused:
+        asyncio.run(b.restore("a"))
+    assert errors.state_intact(refused.value) and b.job_state("a") == b.verify("a") == "parked"
+    assert b.free_bytes(0) == (32 - listed) * PAGE and listed_pages_stay_theirs(b) is None
+
+    faults.clear()
+    asyncio.run(b.restore("a"))
+    assert holds(jobs["a"]) and b.free_bytes(0) == 11 * PAGE  # its 21 pages only: the held ones went back
+    assert listed_pages_stay_theirs(b) is None
+
+
+def test_the_listed_pages_check_catches_a_park_that_lets_them_go(sims: Sims, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above, against a park that gives back the pages its unwritten control file still lists."""
+    b, _ = full_gpu(sims)
+    park_holding = sim._Swap._park_holding
+
+    def lets_go(self: sim._Swap, exc: errors.BackendError) -> None:
+        park_holding(self, exc)
+        for record in self.a.held:
+            self.sim._release_pages(record, keep=True)
+        self.a.held = []
+
+    monkeypatch.setattr(sim._Swap, "_park_holding", lets_go)
+    CommitFaults(monkeypatch, "a", at=8, once=False)
+    asyncio.run(b.swap("a", "b"))
+    assert "is free, yet" in (listed_pages_stay_theirs(b) or "")
+
+
+def test_a_park_write_that_fails_once_after_a_hand_over_is_written_again(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The park goes on from the chunk that failed (an EIO), not the one after it, which would land at its place."""
+    b, jobs = full_gpu(sims)
+    write, calls = sim._ParkFile.write, []
+
+    def fails_once(self: sim._ParkFile, src: memoryview, address: int, pos: int) -> None:
+        calls.append(pos)
+        if len(calls) == 3:  # two chunks written and handed over
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        write(self, src, address, pos)
+
+    monkeypatch.setattr(sim._ParkFile, "write", fails_once)
+    result = asyncio.run(b.swap("a", "b"))
+    assert calls[2] == calls[3]  # the failed chunk, again
+    assert isinstance(result.park, MoveResult) and b.verify("a") == "parked"
+    assert isinstance(result.restore, errors.RestoreRefused) and b.verify("b") == "parked"  # stopped, whole
+    assert each_comes_back(b, jobs) is None

@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import shutil
@@ -60,6 +61,8 @@ from timesliced.sim.layout import (
     read_ctl,
 )
 from timesliced.util.parse import exact_size, human_size
+
+log = logging.getLogger(__name__)
 
 # Bytes copied between bandwidth checks and abort checks. Large, so that the per-chunk cost (a system call
 # and the pacer's clock read, some microseconds) stays well under 1% of a chunk's copy time even at the
@@ -154,6 +157,11 @@ class _Job:
     # files of the pool (``BufferPool.keep``), for the job's next park: making it again cost a swap some
     # 10 us of its 170 at 6 GB/s. Reclaim removes it.
     has_folder: bool = False
+    # Pages its committed control file still lists that the job let go of: a swap's park whose last
+    # commits failed (``_Swap._park_holding``), or a fault whose record did not land. Start-up finishes
+    # such a park from the pages the file lists (``_finish_handed_park``), so they stay out of the
+    # allocator, holding the job's bytes, until a commit of the job lands (``_update``) or it is reclaimed.
+    held: list[RegionRecord] = dataclasses.field(default_factory=list)
 
     def parked_path(self, region: int) -> str:
         """Where region ``region``'s parked copy is (a string: a move opens it without building ``Path`` objects)."""
@@ -246,6 +254,7 @@ def _wait_until(due: float, abort: threading.Event, other: threading.Event | Non
 
 
 _fallocate = os.posix_fallocate  # a seam for tests: a full tmpfs fails here with ENOSPC
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # what of ``posix_fallocate``'s errors is a lack of room (``_back``)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -532,6 +541,8 @@ class SimBackend:
             with self._lock:
                 old = list(j.regions.values())
                 self._update(j, strict=False, state=RECLAIMED, epoch=j.epoch + 1, regions={})
+                old += j.held  # what that write, failing, left listed: the file goes below anyway
+                j.held = []
                 for record in old:
                     self._release_pages(record)
                 self._unmap_parked(job)
@@ -714,7 +725,7 @@ class SimBackend:
             try:
                 pacer = self._read_parked(j, placed, move, start, bufs)
                 with self._lock:
-                    self._update(j, state=RESIDENT, epoch=j.epoch + 1, regions={r.region: r for r in placed})
+                    self._commit_restored(j, {r.region: r for r in placed})
             except BaseException as exc:
                 with self._lock:
                     for record in placed:
@@ -749,10 +760,10 @@ class SimBackend:
             placed.append(dataclasses.replace(r, extents=extents))
             try:
                 self._back(r.gpu, extents)
-            except errors.InsufficientHostMemory:  # nothing written: the parked copy is whole
+            except errors.TimeslicedError as exc:  # nothing written: the parked copy is whole
                 for done in placed:
                     self._allocators[done.gpu].give(done.extents)
-                raise
+                _refuse_restore(j.name, exc)
         for record in placed:
             self._zero_tail(record)
         return placed
@@ -962,7 +973,8 @@ class SimBackend:
 
         Strict updates are all-or-nothing: if the file cannot be written the
         job keeps its old values and BackendError is raised. Rollbacks are not
-        strict: the daemon's own view must move on even if the file lags.
+        strict: the daemon's own view must move on even if the file lags. A write
+        that lands gives back the pages the job held for the file (``_Job.held``).
         """
         old = {name: getattr(j, name) for name in changes}
         for name, value in changes.items():
@@ -975,6 +987,25 @@ class SimBackend:
                 for name, value in old.items():
                     setattr(j, name, value)
                 raise errors.BackendError(f"cannot write control file {j.ctl.path}: {exc}") from exc
+            return
+        if j.held:  # the file lists only what the job holds now: what it let go of can go
+            held, j.held = j.held, []
+            for record in held:
+                self._release_pages(record, keep=True)
+
+    def _commit_restored(self, j: _Job, regions: dict[int, RegionRecord]) -> None:
+        """Commit a restore whose every byte is on the device: the job is resident on ``regions`` (under the lock).
+
+        Raises ``RestoreRefused`` when the control file cannot be written: nothing was committed, the
+        job is still parked and its parked copy, only read, whole; the caller gives the pages back.
+        """
+        try:
+            self._update(j, state=RESIDENT, epoch=j.epoch + 1, regions=regions)
+        except errors.BackendError as exc:
+            raise errors.RestoreRefused(
+                f"restore of job {j.name!r} was not committed: {exc.message}; the job stays parked, whole. Check "
+                f"that the file system of {self.root} takes writes (its free space, its health), then restore again"
+            ) from exc
 
     def _info(self, job: str, r: RegionRecord) -> RegionInfo:
         return RegionInfo(
@@ -1040,23 +1071,40 @@ class SimBackend:
         The arena is a sparse file: writing through its mapping into a page the file system cannot
         allocate (a full tmpfs) kills the writer with SIGBUS, the daemon or a job alike.
         ``posix_fallocate`` fails with ``ENOSPC`` instead, and costs little on pages that are there
-        already. Raises ``InsufficientHostMemory``; nothing was written.
+        already. Raises ``InsufficientHostMemory`` when the file system has no room, ``BackendError``
+        for any other failure; either way nothing was written.
+
+        ``os.posix_fallocate`` raises ``OSError`` with the error number ``posix_fallocate(3)`` returns
+        (it sets no ``errno``), and retries ``EINTR`` itself. The page's errors: ``ENOSPC`` (not enough
+        space on the file system), ``EBADF`` (not a descriptor open for writing), ``EFBIG`` (past the
+        largest file), ``EINVAL`` (a bad offset or length, or a file system that does not support the
+        operation), ``ENODEV`` (not a regular file), ``ESPIPE`` (a pipe), ``EOPNOTSUPP`` (a C library
+        that does not emulate it on such a file system, as musl), and from ``fallocate(2)`` beneath it
+        ``EIO``. Only ``ENOSPC`` and ``EDQUOT`` (a quota's limit, which the page does not list but a
+        file system with quotas returns: tmpfs since Linux 6.6, ext4, XFS) are a lack of room; the rest
+        say the root's file system cannot hold the arena, which no freed memory would change.
         """
         backed = self._backed[gpu]
         todo = _runs([p for p in _pages(extents) if not backed[p]])
         if not todo:
             return
-        fd = os.open(arena_path(self.root, gpu), os.O_RDWR)
+        path = arena_path(self.root, gpu)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise self._unbacked(gpu, path, exc) from None
         try:
             for page, count in todo:
                 try:
                     _fallocate(fd, page * self.page_size, count * self.page_size)
                 except OSError as exc:
-                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.pool.drop():
+                    if exc.errno not in _NO_ROOM or not self.pool.drop():
                         raise
                     _fallocate(fd, page * self.page_size, count * self.page_size)  # the pool given back
                 backed[page : page + count] = b"\x01" * count
         except OSError as exc:
+            if exc.errno not in _NO_ROOM:
+                raise self._unbacked(gpu, path, exc) from None
             nbytes = sum(n for _, n in extents) * self.page_size
             raise errors.InsufficientHostMemory(
                 f"no room in {self.root} for {exact_size(nbytes)} of gpu {gpu}'s simulated device pages "
@@ -1065,6 +1113,16 @@ class SimBackend:
             ) from None
         finally:
             os.close(fd)
+
+    def _unbacked(self, gpu: int, path: Path, exc: OSError) -> errors.BackendError:
+        """The error for an arena whose pages its file system would not allocate, for a cause other than room."""
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        return errors.BackendError(
+            f"cannot allocate gpu {gpu}'s simulated device pages in {path}: {name} ({exc.strerror}). The file "
+            f"system of {self.root} does not take the arena as it should; nothing was written. Check that it is "
+            "mounted and healthy and supports fallocate (a tmpfs does; give --sim-dir one), then try again",
+            gpu=gpu,
+        )
 
     def _punch(self, gpu: int, extents: tuple[Extent, ...]) -> None:
         """Zero pages, handing their memory back to the host where the file system can."""
@@ -1278,6 +1336,19 @@ async def _outcome(move: Coroutine[Any, Any, MoveResult]) -> MoveResult | Except
         return exc
 
 
+def _refuse_restore(job: str, exc: errors.TimeslicedError) -> NoReturn:
+    """Raise for a restore whose pages ``_back`` could not allocate: nothing went into them, the parked copy is whole.
+
+    Lack of room is ``InsufficientHostMemory`` already, a state-intact error; any other failure is
+    refused the same way (``RestoreRefused``), not left to fault the job.
+    """
+    if errors.state_intact(exc):
+        raise exc
+    raise errors.RestoreRefused(
+        f"restore of job {job!r} found no usable device pages: {exc.message}; the job stays parked, whole"
+    ) from exc
+
+
 def _runs(pages: list[int]) -> tuple[Extent, ...]:
     """Pages in order as runs of consecutive pages."""
     runs: list[Extent] = []
@@ -1337,8 +1408,9 @@ class _Swap:
                     ready.append((self._due(self.a_moved), self.a_moved, 0))
                 if self.b_result is None and self._b_can_go():
                     ready.append((self._due(self.b_moved), self.b_moved, 1))
-                if not ready:
-                    raise errors.BackendError(f"swap of {self.a.name!r} for {self.b.name!r} ran out of pages")
+                if not ready:  # the park is done, and the restore finds no page to go on with
+                    self._fail_b(self._no_pages())
+                    continue
                 due, _, side = min(ready)
                 self._sleep_until(due)
                 if len(ready) == 2 and max(d for d, _, _ in ready) <= time.perf_counter():
@@ -1353,7 +1425,7 @@ class _Swap:
             self._not_before_the_model()
         except BaseException as exc:
             if self.b_result is None:
-                self._fail_b(exc)
+                self._fail_b(self._stopped(exc))
             if self.a_result is None:
                 self._fail_a(exc)
             if not isinstance(exc, (Exception, _Aborted)):
@@ -1453,7 +1525,6 @@ class _Swap:
             return
         r = self.a_records[self.a_index]
         offset, n = sim._chunks(r)[self.a_piece]
-        self.a_piece += 1
         args = (sim._views[r.gpu][offset : offset + n], sim._addresses[r.gpu] + offset, self.a_pos)
         if n < _HELPER_MIN or beside is None:
             self.a_files[self.a_index].write(*args)
@@ -1465,14 +1536,18 @@ class _Swap:
                 beside()
             finally:
                 write.result()  # the chunk is on the host (or its error is raised) before its pages go
+        # The cursor passes a chunk only once it is on the host, and a region before its last hand-over:
+        # a park that goes on after an error (``_fail_a``) writes again what was not written, and never
+        # past the region's end.
+        self.a_piece += 1
         self.a_pos += n
         self.a_moved += n
         if self.a_pos < r.nbytes:
             self._hand_over(r, self.a_pos // self.page)
             return
         last = self.a_index + 1 == len(self.a_records)
-        self._hand_over(r, len(_pages(r.extents)), parked=last)
         self.a_index, self.a_pos, self.a_piece = self.a_index + 1, 0, 0
+        self._hand_over(r, len(_pages(r.extents)), parked=last)
         if last:
             self.a_result = MoveResult(self.a_moved, time.perf_counter() - self.start)
 
@@ -1486,21 +1561,66 @@ class _Swap:
         were all written before the write; the handed-over table alone, with the job still
         ``PARKING``, would say no more about where the bytes are than the ``PARKED`` one. So a swap's
         park commits twice in all (``PARKING``, then this), and its restore once.
+
+        A commit that fails hands nothing over: the pages stay listed, and the job's. While no page
+        was handed over it raises (the park rolls back, the job whole on the device); after, the park
+        must go on, since its only whole copy is the host one with the pages it still lists, so the
+        error is not raised: a later commit hands these pages over with its own, and the last one,
+        listing no page of any region, gives every page still listed to the restore. If that one fails
+        too, ``_park_holding`` parks the job all the same.
         """
         sim, a = self.sim, self.a
         handed = self.a_handed.get(r.region, 0)
         if upto <= handed and not parked:
             return
         pages = _pages(r.extents)
-        changes: dict[str, Any] = {"state": PARKED, "epoch": a.epoch + 1} if parked else {}
         if parked:
             self.copied_at = time.perf_counter()
         with sim._lock:
-            now = a.regions[r.region]
-            regions = {**a.regions, r.region: RegionRecord(now.region, now.gpu, now.nbytes, _runs(pages[upto:]))}
-            sim._update(a, regions=regions, **changes)
-            self.pool.setdefault(r.gpu, []).extend(pages[handed:upto])
+            if parked:  # every region's bytes are on the host: the table lists no page
+                regions = {k: dataclasses.replace(v, extents=()) for k, v in a.regions.items()}
+                freed = [(v.gpu, _pages(v.extents)) for v in a.regions.values()]
+                changes: dict[str, Any] = {"state": PARKED, "epoch": a.epoch + 1}
+            else:
+                now = a.regions[r.region]
+                regions = {**a.regions, r.region: RegionRecord(now.region, now.gpu, now.nbytes, _runs(pages[upto:]))}
+                freed, changes = [(r.gpu, pages[handed:upto])], {}
+            try:
+                sim._update(a, regions=regions, **changes)
+            except errors.BackendError as exc:
+                if not any(self.a_handed.values()):
+                    raise
+                if parked:
+                    self._park_holding(exc)
+                return
+            for gpu, given in freed:
+                self.pool.setdefault(gpu, []).extend(given)
         self.a_handed[r.region] = max(upto, handed)
+
+    def _park_holding(self, exc: errors.BackendError) -> None:
+        """The park's last commit failed with its every byte on the host: park the job all the same (under the lock).
+
+        Its control file says ``PARKING``, its pages listed hold the job's bytes, the host files the
+        rest (here, all of it): what start-up finishes as a park (``_finish_handed_park``). So the job
+        is parked whole, in this daemon and in the next; the commit is tried once more, and while it
+        has not landed the pages it lists stay the job's (``_Job.held``), neither free nor the restore's.
+        """
+        sim, a = self.sim, self.a
+        a.held.extend(v for v in a.regions.values() if v.extents)
+        parked = {k: dataclasses.replace(v, extents=()) for k, v in a.regions.items()}
+        sim._update(a, strict=False, state=PARKED, epoch=a.epoch + 1, regions=parked)
+        if a.held:
+            nbytes = sum(n for v in a.held for _, n in v.extents) * self.page
+            log.warning(
+                "job %r is parked, whole, but its control file cannot be written (%s): the %s of simulated "
+                "device memory it still lists stay the job's until a write of it lands (its next restore), and "
+                "a daemon started meanwhile finishes the park from them. Check that the file system of %s takes "
+                "writes",
+                a.name,
+                exc.message,
+                human_size(nbytes),
+                sim.root,
+            )
 
     def _roll_back_a(self) -> None:
         """Nothing was handed over: the device copy is whole; drop the host copy, the job runs on."""
@@ -1527,12 +1647,12 @@ class _Swap:
             self.a_result = MoveResult(self.a_moved, time.perf_counter() - self.start)
         except Exception as err:
             with sim._lock:
-                gone = {k: dataclasses.replace(r, extents=()) for k, r in a.regions.items()}
-                for r in a.regions.values():
-                    sim._release_pages(r, keep=True)
+                a.held.extend(v for v in a.regions.values() if v.extents)  # given back once the fault's write lands
+                gone = {k: dataclasses.replace(v, extents=()) for k, v in a.regions.items()}
                 sim._update(a, strict=False, state=FAULTED, epoch=a.epoch + 1, regions=gone)
             self.a_result = errors.BackendError(
-                f"swap of job {a.name!r} out failed after part of it was handed over: {err}; the job is faulted"
+                f"swap of job {a.name!r} out failed after part of it was handed over to {self.b.name!r}: {err}; its "
+                "parked copy could not be completed, so the job is faulted. End the job and start it again"
             )
 
     # --- the restore --------------------------------------------------------------------------
@@ -1571,10 +1691,10 @@ class _Swap:
                 fresh = free.take(min(npages - len(got), free.free_pages)) or ()
                 try:
                     sim._back(r.gpu, fresh)  # pages no park handed over may not be there yet (a full tmpfs)
-                except errors.InsufficientHostMemory:
+                except errors.TimeslicedError as exc:
                     free.give(fresh)
                     self.pool.setdefault(r.gpu, [])[:0] = got
-                    raise
+                    _refuse_restore(b.name, exc)
                 got += _pages(fresh)
         self.b_placed[r.region] += got
         src, base = self.b_src.address, sim._addresses[r.gpu]
@@ -1600,7 +1720,7 @@ class _Swap:
         with sim._lock:
             for record in placed.values():
                 sim._zero_tail(record)
-            sim._update(b, state=RESIDENT, epoch=b.epoch + 1, regions=placed)
+            sim._commit_restored(b, placed)  # raises RestoreRefused: ``_fail_b`` gives the pages back
         self.b_result = MoveResult(self.b_moved, time.perf_counter() - self.start)
 
     def _clean_up_b(self) -> None:
@@ -1631,6 +1751,31 @@ class _Swap:
             sim._reraise("restore", b, exc)
         except Exception as err:
             self.b_result = err
+
+    def _no_pages(self) -> errors.RestoreRefused:
+        """Why the restore cannot go on once the park is done: no page is free on its region's GPU."""
+        a, b = self.a, self.b
+        gpu = self.b_records[self.b_index].gpu
+        why = (
+            f"pages that {a.name!r}'s control file still lists stay {a.name!r}'s until it can be written"
+            if any(v.gpu == gpu for v in a.held)
+            else "another allocation took the pages it counted on"
+        )
+        return errors.RestoreRefused(
+            f"swap of job {b.name!r} in for {a.name!r} ran out of pages on gpu {gpu} ({why}); {b.name!r} stays "
+            "parked, whole: restore it again once memory is free there"
+        )
+
+    def _stopped(self, exc: BaseException) -> BaseException:
+        """The error of a restore that the park's failure stopped: its parked copy, only read, is whole."""
+        if not isinstance(exc, Exception) or isinstance(exc, (_Aborted, errors.StateIntact)):
+            return exc  # an abandoned swap keeps the rules of an abandoned restore (``_reraise``)
+        refused = errors.RestoreRefused(
+            f"swap of job {self.b.name!r} in for {self.a.name!r} stopped when the park failed ({exc}); "
+            f"{self.b.name!r} stays parked, whole: restore it again"
+        )
+        refused.__cause__ = exc
+        return refused
 
     def b_records_gpu(self, region: int) -> int:
         return next(r.gpu for r in self.b_records if r.region == region)

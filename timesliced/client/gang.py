@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 from .. import errors
 
 if TYPE_CHECKING:
+    import asyncio
+
     from .aio import AsyncClient
     from .codec import Grant
-    from .sync import Client
+    from .sync import Client, Waiter
 
 # a gang waits apart until every member asked: each client submits its member before any waits
 
@@ -55,16 +57,24 @@ def acquire_gang(*clients: Client, timeout: float | None = None, name: str | Non
     """Acquire every client's group as one gang and keep them: ``gang`` without the block.
 
     Each client then holds its lock until its own ``release()``, so a caller can give the
-    groups back one at a time. Raises what ``gang`` raises; then none of them holds.
+    groups back one at a time. Raises what ``gang`` raises; then none of them holds, and none
+    waits: an interrupt (``KeyboardInterrupt``) while the members are submitted or waited for
+    withdraws every member submitted (a grant that won the race goes back).
     """
     gang_id, size = _members(clients, name)
-    waiters = [c._submit(functools.partial(c._core.acquire, timeout, gang=gang_id, members=size)) for c in clients]
+    waiters: list[Waiter] = []
     grants: list[Grant] = []
     try:
+        # Inside the ``try``: a member submitted is withdrawn below if a later one's submit raises.
+        for client in clients:
+            waiters.append(client._submit(functools.partial(client._core.acquire, timeout, gang=gang_id, members=size)))
         for client, waiter in zip(clients, waiters, strict=True):
             grants.append(client._wait(waiter))
     except BaseException:
-        for client, waiter in list(zip(clients, waiters, strict=True))[len(grants) + 1 :]:
+        # Every member submitted and not in ``grants`` is withdrawn: the one whose wait raised withdrew
+        # itself already (withdrawing it again changes nothing), and one whose grant came back just as
+        # the interrupt landed gives it back. Then the members granted release.
+        for client, waiter in list(zip(clients, waiters, strict=False))[len(grants) :]:
             _abandon(client, waiter[0])
         for client in clients[: len(grants)]:
             _release_quietly(client)
@@ -88,17 +98,22 @@ async def gang_async(
 async def acquire_gang_async(
     *clients: AsyncClient, timeout: float | None = None, name: str | None = None
 ) -> list[Grant]:
-    """``acquire_gang`` for ``AsyncClient``s: each holds its lock until its own ``release()`` (same raises)."""
+    """``acquire_gang`` for ``AsyncClient``s: each holds its lock until its own ``release()`` (same raises).
+
+    A cancellation (or an error) while the members are submitted or waited for withdraws every
+    member submitted, as ``acquire_gang`` does.
+    """
     gang_id, size = _members(clients, name)
-    waiters = [c._submit(functools.partial(c._core.acquire, timeout, gang=gang_id, members=size)) for c in clients]
+    waiters: list[tuple[int, asyncio.Future[Any]]] = []
     grants: list[Grant] = []
     try:
+        for client in clients:  # inside the ``try``, as in ``acquire_gang``
+            waiters.append(client._submit(functools.partial(client._core.acquire, timeout, gang=gang_id, members=size)))
         for client, waiter in zip(clients, waiters, strict=True):
             grants.append(await client._wait(waiter))
     except BaseException:
-        for client, waiter in list(zip(clients, waiters, strict=True))[len(grants) + 1 :]:
-            client._waiters.pop(waiter[0], None)
-            client._step(functools.partial(client._core.abandon, waiter[0]))
+        for client, waiter in list(zip(clients, waiters, strict=False))[len(grants) :]:  # as in ``acquire_gang``
+            _aabandon(client, waiter[0])
         for client in clients[: len(grants)]:
             await _arelease_quietly(client)
         raise
@@ -109,6 +124,12 @@ def _abandon(client: Client, rid: int) -> None:
     """The caller stops waiting for ``rid``: it leaves the queue (a grant that won the race goes back)."""
     with client._lock:
         client._waiters.pop(rid, None)
+    client._step(functools.partial(client._core.abandon, rid))
+
+
+def _aabandon(client: AsyncClient, rid: int) -> None:
+    """``_abandon`` for an ``AsyncClient`` (the loop's one thread: no lock)."""
+    client._waiters.pop(rid, None)
     client._step(functools.partial(client._core.abandon, rid))
 
 
