@@ -143,6 +143,40 @@ def test_an_interrupted_acquire_leaves_the_queue_at_once(daemon: EmbeddedDaemon,
     assert group_status(a)["holder"] is None
 
 
+def test_an_async_acquire_whose_submit_fails_once_made_is_withdrawn(
+    daemon: EmbeddedDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``AsyncClient._submit``: an error after the request went to the core (here in starting the supervisor)."""
+
+    async def main() -> None:
+        async with (
+            timesliced.AsyncClient("a", "g", address=daemon.socket) as a,
+            timesliced.AsyncClient("b", "g", address=daemon.socket) as b,
+        ):
+            await a.acquire()
+            await b.ping()
+
+            def broken() -> None:
+                raise RuntimeError("the supervisor could not start")
+
+            monkeypatch.setattr(b, "_ensure_supervisor", broken)
+            with pytest.raises(RuntimeError):
+                await b.acquire()
+            monkeypatch.undo()
+            queue: list[Any] = ["b"]
+            for _ in range(250):
+                queue = next(g for g in (await a.status())["groups"] if g["group"] == "g")["queue"]
+                if not queue:
+                    break
+                await asyncio.sleep(0.02)
+            assert queue == [], "the failed acquire is still queued at the daemon"
+            await a.release()
+            assert (await b.acquire(timeout=5)).fence == 2  # no ghost of b's was granted in between
+            await b.release()
+
+    asyncio.run(main())
+
+
 def test_holder_connection_drop_hands_lock_on(daemon: EmbeddedDaemon, shell: Shell) -> None:
     a = shell.client(daemon.socket, "a", connect=True)
     b = shell.client(daemon.socket, "b", connect=True)

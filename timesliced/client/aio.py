@@ -175,15 +175,22 @@ class AsyncClient(ShellBase):
     def _submit(self, start: Callable[[float], int]) -> tuple[int, asyncio.Future[Any]]:
         """Hand the core a request (connecting first if need be); returns its id and future.
 
-        Raises ``ConnectionLost`` at once in a process forked from the client's own.
+        Raises ``ConnectionLost`` at once in a process forked from the client's own. Whatever raises
+        once ``start`` made the request (a callback's ``BaseException`` in ``_pump``, say) withdraws it,
+        as the sync client does: an acquire is never left to be granted to nobody.
         """
         if (foreign := self._foreign()) is not None:
             raise foreign
         loop = asyncio.get_running_loop()
         rid = start(loop.time())
-        future = self._waiters[rid] = loop.create_future()
-        self._pump()
-        self._ensure_supervisor()
+        try:
+            future = self._waiters[rid] = loop.create_future()
+            self._pump()
+            self._ensure_supervisor()
+        except BaseException:
+            self._waiters.pop(rid, None)
+            self._step(functools.partial(self._core.abandon, rid))
+            raise
         return rid, future
 
     async def _wait(self, waiter: tuple[int, asyncio.Future[Any]]) -> Any:
