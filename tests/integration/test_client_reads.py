@@ -250,6 +250,128 @@ def test_a_signal_just_after_the_main_thread_read_the_grant_loses_nothing(warned
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_a_signal_as_the_main_thread_gives_the_socket_back_leaves_it_with_the_reader_thread(
+    warned: EmbeddedDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal's exception in the hand-back comes after it: a socket left taken would never be read again."""
+    from timesliced.client import sync
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted
+
+    watch = sync._Answer.watch
+    armed = [False]
+
+    def signalled_watch(self: Any, wakes: Any) -> None:
+        if wakes is None and armed[0] and threading.current_thread() is threading.main_thread():
+            armed[0] = False
+            signal.raise_signal(signal.SIGUSR1)  # the first step of the hand-back
+        watch(self, wakes)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    monkeypatch.setattr(sync._Answer, "watch", signalled_watch)
+    try:
+        with (
+            timesliced.Client(job="a", group="g", address=warned.socket) as a,
+            timesliced.Client(job="b", group="g", address=warned.socket, request_timeout=30) as b,
+        ):
+            a.acquire()
+
+            def release_once_b_reads() -> None:
+                wait_for(lambda: len(b._waiters) == 1 and b._caller_reading)
+                a.release()
+
+            t = threading.Thread(target=release_once_b_reads, daemon=True)
+            t.start()
+            armed[0] = True
+            with pytest.raises(Interrupted):
+                b.acquire(timeout=10)
+            t.join(5)
+            assert not armed[0], "the signal did not land in the hand-back"
+            assert not b._caller_reading and reader_watches(b)
+            assert len(b.status()["jobs"]) == 2  # read at once, not after request_timeout
+            assert a.acquire(timeout=5).job == "a"  # b's grant, given up on, went back
+            a.release()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_signal_handler_that_calls_the_client_while_the_main_thread_waits_is_answered(
+    warned: EmbeddedDaemon,
+) -> None:
+    """A SIGTERM-style handler that asks the daemon something while the main thread waits for the lock.
+
+    The main thread holds the socket for its wait; the handler's call, below it on the same thread,
+    reads the socket itself. Left to nobody, it would wait out ``request_timeout`` and fail.
+    """
+    asked: list[Any] = []
+    with (
+        timesliced.Client(job="a", group="g", address=warned.socket) as a,
+        timesliced.Client(job="b", group="g", address=warned.socket, request_timeout=30) as b,
+    ):
+        a.acquire()
+
+        def handler(signum: int, frame: Any) -> None:
+            asked.append(len(b.status()["jobs"]))
+
+        previous = signal.signal(signal.SIGUSR1, handler)
+        try:
+
+            def signal_then_release() -> None:
+                wait_for(lambda: len(b._waiters) == 1 and b._caller_reading)
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
+                wait_for(lambda: bool(asked), timeout=10)  # answered while b's acquire still waits
+                a.release()
+
+            t = threading.Thread(target=signal_then_release, daemon=True)
+            t.start()
+            assert b.acquire(timeout=20).job == "b"
+            t.join(5)
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        assert asked == [2]
+        b.release()
+
+
+def test_an_on_push_that_calls_the_client_from_the_main_threads_read_is_answered(tmp_path: Path) -> None:
+    """``on_push`` runs on the thread that read the push, here the main thread waiting in its own call."""
+    config = DaemonConfig(
+        state_dir=tmp_path / "state",
+        backend="sim",
+        gpus=1,
+        gpu_memory=8 * MiB,
+        bandwidth=0,
+        slice_policies={"*": SlicePolicy(0.2, "warn")},
+    )
+    d = EmbeddedDaemon(config).start()
+    released: list[str] = []
+    clients: list[timesliced.Client] = []
+
+    def on_push(event: str, data: dict[str, Any]) -> None:
+        if event == "slice_overdue" and not released:
+            clients[0].release()
+            released.append(threading.current_thread().name)
+
+    try:
+        with (
+            timesliced.Client(job="a", group="g", address=d.socket, on_push=on_push, request_timeout=30) as a,
+            timesliced.Client(job="b", group="g", address=d.socket) as b,
+        ):
+            clients.append(a)
+            a.acquire()
+            waiter, got = acquire_in_thread(b, timeout=20)  # b waits: a's slice is overdue after 0.2 s
+            deadline = time.monotonic() + 20
+            while not released and time.monotonic() < deadline:
+                a.ping()  # the main thread reads the socket while it waits for each answer
+            waiter.join(20)
+            assert released, "on_push never saw slice_overdue, or its release failed"
+            assert got and isinstance(got[0], timesliced.Grant) and got[0].job == "b"
+            b.release()
+    finally:
+        d.stop()
+        shutil.rmtree(default_sim_dir(tmp_path / "state"), ignore_errors=True)
+
+
 def test_a_caller_interrupted_as_it_takes_the_socket_gives_it_back(
     warned: EmbeddedDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:

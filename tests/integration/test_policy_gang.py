@@ -235,6 +235,40 @@ def test_a_gang_interrupted_while_it_submits_leaves_no_member_queued(
         assert not trainer.lock.holding and not sampler.lock.holding
 
 
+def test_a_gang_whose_clean_up_is_interrupted_still_gives_back_every_member(
+    daemon: EmbeddedDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C as the sampler's grant comes back, and a second one while that grant is given back.
+
+    The trainer's grant, taken already, must be released all the same: its caller was told none holds.
+    """
+    from timesliced.client import gang as gang_module
+
+    sock = str(daemon.socket)
+    with (
+        timesliced.Client("trainer", "trainers", address=sock, gpus=[0]) as trainer,
+        timesliced.Client("sampler", "samplers", address=sock, gpus=[1]) as sampler,
+        timesliced.Client("rival", "trainers", address=sock, gpus=[0]) as rival,
+    ):
+        wait, abandon = sampler._wait, gang_module._abandon
+
+        def wait_then_interrupt(waiter: Any) -> Any:
+            wait(waiter)
+            raise KeyboardInterrupt
+
+        def abandon_then_interrupt(client: Any, rid: int) -> None:
+            abandon(client, rid)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(sampler, "_wait", wait_then_interrupt)
+        monkeypatch.setattr(gang_module, "_abandon", abandon_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            acquire_gang(trainer, sampler, timeout=30.0)
+        monkeypatch.undo()
+        assert not trainer.lock.holding and not sampler.lock.holding
+        wait_for(lambda: nothing_queued_or_held(rival), timeout=5.0)
+
+
 def test_an_async_gang_cancelled_while_it_submits_leaves_no_member_queued(
     daemon: EmbeddedDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:

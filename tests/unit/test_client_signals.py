@@ -83,23 +83,52 @@ def test_ignored_and_default_dispositions_are_left_alone() -> None:
         signal.signal(signal.SIGUSR1, previous)
 
 
-def test_a_recorder_left_in_place_by_a_cut_exit_runs_the_handler_it_stands_for(handlers: list[int]) -> None:
-    """An exception in the middle of ``__exit__`` may leave a recorder installed: it must not swallow signals."""
+def test_an_exit_cut_while_it_puts_the_handlers_back_still_runs_what_came_and_its_recorders_forward(
+    handlers: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal that lands while ``__exit__`` puts the handlers back: what was held still runs, none is swallowed."""
+    from timesliced.client import signals
+
     held = HeldSignals()
-    held.__enter__()
-    held._held = False  # the first line of ``__exit__``, and nothing after it
-    try:
+    setsignal = signals._setsignal
+    cut = [True]
+
+    def cut_once(signum: int, handler: Any) -> Any:
+        if cut[0] and handler is not held._recorder:  # putting the first one back: Ctrl-C lands here
+            cut[0] = False
+            raise KeyboardInterrupt
+        return setsignal(signum, handler)
+
+    monkeypatch.setattr(signals, "_setsignal", cut_once)
+    with pytest.raises(KeyboardInterrupt), held:
         signal.raise_signal(signal.SIGUSR2)
-        assert handlers == [signal.SIGUSR2]
-        with pytest.raises(Raised):
-            signal.raise_signal(signal.SIGUSR1)
-        with held:  # the next block finds its own recorders and still holds, then puts the handlers back
+    assert handlers == [signal.SIGUSR2]  # held, and run although the exit was cut
+    recorders = [s for s in (signal.SIGUSR1, signal.SIGUSR2) if signal.getsignal(s) == held._recorder]
+    assert recorders, "the cut left no recorder in place: the test shows nothing"
+    signal.raise_signal(signal.SIGUSR2)  # outside a block, a recorder left in place forwards at once
+    assert handlers == [signal.SIGUSR2, signal.SIGUSR2]
+    with pytest.raises(Raised):
+        signal.raise_signal(signal.SIGUSR1)
+    with held:  # the next block finds its own recorders and still holds, then puts every handler back
+        signal.raise_signal(signal.SIGUSR2)
+        assert handlers[3:] == []
+    assert handlers[3:] == [signal.SIGUSR2]
+    assert all(signal.getsignal(s) != held._recorder for s in (signal.SIGUSR1, signal.SIGUSR2))
+
+
+def test_every_held_handler_runs_though_one_raises_and_the_first_exception_comes_out(handlers: list[int]) -> None:
+    with pytest.raises(Raised), HELD:
+        signal.raise_signal(signal.SIGUSR1)  # raises when run
+        signal.raise_signal(signal.SIGUSR2)
+    assert handlers == [signal.SIGUSR1, signal.SIGUSR2]
+
+
+def test_a_block_inside_a_block_is_part_of_it(handlers: list[int]) -> None:
+    with HELD:
+        with HELD:
             signal.raise_signal(signal.SIGUSR2)
-            assert handlers == [signal.SIGUSR2, signal.SIGUSR1]
-        assert handlers == [signal.SIGUSR2, signal.SIGUSR1, signal.SIGUSR2]
-    finally:
-        held.__exit__(None, None, None)
-    assert all(signal.getsignal(s) is not held._recorder for s in (signal.SIGUSR1, signal.SIGUSR2))
+        assert handlers == []  # still held: the outer block is not over
+    assert handlers == [signal.SIGUSR2]
 
 
 def test_a_handler_set_between_blocks_is_the_one_run(handlers: list[int]) -> None:

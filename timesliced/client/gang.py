@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -48,9 +48,11 @@ def gang(*clients: Client, timeout: float | None = None, name: str | None = None
     grants = acquire_gang(*clients, timeout=timeout, name=name)
     try:
         yield grants
-    finally:
-        for client in clients:
-            _release_quietly(client)
+    except BaseException:
+        _every(_release_quietly, [(client,) for client in clients])  # the block's exception is the one raised
+        raise
+    if (error := _every(_release_quietly, [(client,) for client in clients])) is not None:
+        raise error
 
 
 def acquire_gang(*clients: Client, timeout: float | None = None, name: str | None = None) -> list[Grant]:
@@ -74,10 +76,11 @@ def acquire_gang(*clients: Client, timeout: float | None = None, name: str | Non
         # Every member submitted and not in ``grants`` is withdrawn: the one whose wait raised withdrew
         # itself already (withdrawing it again changes nothing), and one whose grant came back just as
         # the interrupt landed gives it back. Then the members granted release.
-        for client, waiter in list(zip(clients, waiters, strict=False))[len(grants) :]:
-            _abandon(client, waiter[0])
-        for client in clients[: len(grants)]:
-            _release_quietly(client)
+        _every(
+            _abandon,
+            [(client, waiter[0]) for client, waiter in list(zip(clients, waiters, strict=False))[len(grants) :]],
+        )
+        _every(_release_quietly, [(client,) for client in clients[: len(grants)]])
         raise
     return grants
 
@@ -90,9 +93,11 @@ async def gang_async(
     grants = await acquire_gang_async(*clients, timeout=timeout, name=name)
     try:
         yield grants
-    finally:
-        for client in clients:
-            await _arelease_quietly(client)
+    except BaseException:
+        await _aevery(_arelease_quietly, [(client,) for client in clients])  # the block's exception is raised
+        raise
+    if (error := await _aevery(_arelease_quietly, [(client,) for client in clients])) is not None:
+        raise error
 
 
 async def acquire_gang_async(
@@ -112,17 +117,42 @@ async def acquire_gang_async(
         for client, waiter in zip(clients, waiters, strict=True):
             grants.append(await client._wait(waiter))
     except BaseException:
-        for client, waiter in list(zip(clients, waiters, strict=False))[len(grants) :]:  # as in ``acquire_gang``
-            _aabandon(client, waiter[0])
-        for client in clients[: len(grants)]:
-            await _arelease_quietly(client)
+        _every(
+            _aabandon,
+            [(client, waiter[0]) for client, waiter in list(zip(clients, waiters, strict=False))[len(grants) :]],
+        )
+        await _aevery(_arelease_quietly, [(client,) for client in clients[: len(grants)]])
         raise
     return grants
 
 
+def _every(step: Callable[..., None], calls: list[tuple[Any, ...]]) -> BaseException | None:
+    """``step(*args)`` for every member, whatever one of them raises (a second Ctrl-C, a lost daemon);
+    returns the first error. A member left out would keep a group held or queued that its caller thinks
+    it let go."""
+    error: BaseException | None = None
+    for args in calls:
+        try:
+            step(*args)
+        except BaseException as exc:
+            error = error or exc
+    return error
+
+
+async def _aevery(step: Callable[..., Awaitable[None]], calls: list[tuple[Any, ...]]) -> BaseException | None:
+    """``_every`` for coroutines: a cancellation while one member releases does not skip the others."""
+    error: BaseException | None = None
+    for args in calls:
+        try:
+            await step(*args)
+        except BaseException as exc:
+            error = error or exc
+    return error
+
+
 def _abandon(client: Client, rid: int) -> None:
     """The caller stops waiting for ``rid``: it leaves the queue (a grant that won the race goes back)."""
-    with client._lock:
+    with client._guard():
         client._waiters.pop(rid, None)
     client._step(functools.partial(client._core.abandon, rid))
 

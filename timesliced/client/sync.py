@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import math
@@ -97,6 +96,7 @@ class Client(ShellBase):
 
     def _start_io(self) -> None:
         self._lock = threading.Lock()  # one input at a time into the core; guards _sock, _waiters, _driving
+        self._guarded = _Guarded(self._lock)  # the lock as the main thread takes it (``_guard``)
         self._waiters: dict[int, _Answer] = {}
         self._sock: socket.socket | None = None  # the open connection, for sending; the reader owns it
         self._sock_conn = 0  # the core's id of the connection ``_sock`` is
@@ -105,7 +105,7 @@ class Client(ShellBase):
         # waits in an epoll set that holds the socket; a caller that reads the socket itself takes it out
         # of that set (its events masked) and puts it back when it leaves. epoll_ctl(2) wakes no thread
         # for that, unless the socket holds bytes by then (which the reader thread must read anyway).
-        self._caller_reading = False  # a caller waits on the socket for its answer
+        self._caller_reading = 0  # the thread (its ident) that waits on the socket for its answer; 0: none
         self._wakes: _Wakes | None = None  # the reader thread's epoll set and wake-ups, while it runs
         # When the reader thread looks at the core's timers next unless woken (-inf: it is about to look). It
         # keeps the timers (heartbeats above all), and input fed by another thread (a caller that reads the
@@ -256,6 +256,14 @@ class Client(ShellBase):
 
     # --- waiting for the core ----------------------------------------------------------
 
+    def _guard(self) -> _Guarded | threading.Lock:
+        """The lock, as this thread takes it: in the main thread with the signals' handlers held (``HELD``).
+
+        A handler there then runs once the lock is let go, never in the middle of a section: it cannot
+        cut the core's input from what was read, or a socket's hand-back, and it may call the client.
+        """
+        return self._guarded if threading.current_thread() is threading.main_thread() else self._lock
+
     def _call(self, op: str, args: dict[str, Any] | None = None) -> Any:
         return self._request(lambda now: self._core.request(op, args, now))
 
@@ -285,7 +293,7 @@ class Client(ShellBase):
         later: list[tuple[_Answer | None, Output]] = []
         rid = 0  # set: the request is made and not withdrawn
         try:
-            with self._lock:
+            with self._guard():
                 rid = self._core.next_request  # what ``start`` numbers it: no other thread starts one meanwhile
                 try:
                     self._waiters[rid] = future
@@ -335,12 +343,12 @@ class Client(ShellBase):
                 return future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 self._step(self._core.handle_timers)
-            with self._lock:
+            with self._guard():
                 deadline = self._core.deadline_of(rid)
 
     def _withdraw(self, rid: int) -> None:
         """The caller of ``rid`` stopped waiting: the core abandons it (an acquire leaves the queue)."""
-        with self._lock:
+        with self._guard():
             self._waiters.pop(rid, None)
         self._step(functools.partial(self._core.abandon, rid))
 
@@ -359,28 +367,35 @@ class Client(ShellBase):
     def _read_for(self, future: _Answer, deadline: float | None) -> None:
         """Read the socket in this thread until ``future`` is answered or ``deadline`` passes.
 
-        Returns at once when there is no open connection or another caller reads it (the reader thread
+        Returns at once when there is no open connection or another thread reads it (the reader thread
         or that caller then answers ``future``), and when the connection goes (the reader thread reconnects).
+        A call made by the thread that reads, from below its own read (a signal handler, ``on_push``), reads
+        too, then wakes the read below it, which looks at its own answer again.
 
-        In the main thread, Python runs signal handlers between any two steps, so a ``KeyboardInterrupt``
-        (or a SIGTERM handler's ``SystemExit``) could land between the ``recv`` and the core and lose what
-        was read (other threads' answers, the daemon's pushes, half a frame). There each read is made
-        with the handlers held (``HELD``): what they raise comes once the bytes are in the core and its
-        outputs in ``later``, which is dispatched whatever raises. The wait itself (``poll``) is not held.
+        In the main thread every section under the lock is taken with the signals' handlers held
+        (``_guard``), so a ``KeyboardInterrupt`` (or a SIGTERM handler's ``SystemExit``) comes once the bytes
+        read are in the core and its outputs in ``later``, which is dispatched whatever raises, and never
+        cuts the hand-back of the socket in two. The wait itself (``poll``) is not held: Ctrl-C ends it.
         """
-        held = HELD if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
-        taken = False  # this caller took the socket: the finally gives it back, whatever raised where
+        me = threading.get_ident()
+        taken = nested = False  # this call took the socket / reads under a read of its own thread
+        sock: socket.socket | None = None
+        wakes: _Wakes | None = None
+        failed: BaseException | None = None
         try:
-            with self._lock:
+            with self._guard():
                 sock, conn, wakes = self._sock, self._sock_conn, self._wakes
-                if sock is None or wakes is None or self._caller_reading:
+                if sock is None or wakes is None or self._caller_reading not in (0, me):
                     return
                 future.watch(wakes)  # before the look below: an answer set from now on wakes this thread
                 if future.settled:
                     return
-                taken = True
-                self._caller_reading = True
-                wakes.watch(sock, False)  # the reader thread stays asleep when the answer comes
+                if self._caller_reading == me:
+                    nested = True
+                else:
+                    taken = True
+                    self._caller_reading = me
+                    wakes.watch(sock, False)  # the reader thread stays asleep when the answer comes
             poller = select.poll()
             poller.register(sock, select.POLLIN)
             poller.register(wakes.caller, select.POLLIN)
@@ -393,7 +408,7 @@ class Client(ShellBase):
                     wakes.drain(wakes.caller)
                 later: list[tuple[_Answer | None, Output]] = []
                 try:
-                    with held, self._lock:
+                    with self._guard():
                         if self._sock is not sock:
                             return  # the connection ended or was left
                         self._receive(sock, conn, later)
@@ -402,15 +417,38 @@ class Client(ShellBase):
                     self._dispatch(later)
                 if gone:
                     return
+        except BaseException as exc:
+            failed = exc
+            raise
         finally:
-            with self._lock:
-                future.watch(None)
-                if taken and sock is not None and wakes is not None:  # both set before ``taken``
-                    self._caller_reading = False
-                    if self._sock is sock:
-                        wakes.watch(sock, True)  # the reader thread's again, for the pushes
-                    else:
-                        wakes.wake(wakes.reader)  # left by the core: the reader thread closes it now
+            late = self._give_back(future, sock, wakes, taken, nested)
+            if late is not None and failed is None:
+                raise late
+
+    def _give_back(
+        self, future: _Answer, sock: socket.socket | None, wakes: _Wakes | None, taken: bool, nested: bool
+    ) -> BaseException | None:
+        """``_read_for``'s way out: the socket back to the reader thread, whatever raises; returns what raised.
+
+        Tried until it lands: a socket left taken would never be read again by anyone.
+        """
+        error: BaseException | None = None
+        while True:
+            try:
+                with self._guard():
+                    future.watch(None)
+                    if nested and wakes is not None:
+                        wakes.wake(wakes.caller)  # the read below may have had its answer read here
+                    elif taken and sock is not None and wakes is not None:  # both set before ``taken``
+                        taken = False
+                        self._caller_reading = 0
+                        if self._sock is sock:
+                            wakes.watch(sock, True)  # the reader thread's again, for the pushes
+                        else:
+                            wakes.wake(wakes.reader)  # left by the core: the reader thread closes it now
+                return error
+            except BaseException as exc:  # a signal's exception before the section began: try again
+                error = error or exc
 
     def _receive(self, sock: socket.socket, conn: int, later: list[tuple[_Answer | None, Output]]) -> None:
         """Under the lock: what the socket holds now into the core (its end too); the outputs into ``later``."""
@@ -432,7 +470,7 @@ class Client(ShellBase):
         """One input into the core, then its outputs carried out (all of them, whatever raises)."""
         later: list[tuple[_Answer | None, Output]] = []
         try:
-            with self._lock:
+            with self._guard():
                 result = action(time.monotonic())
                 self._flush(later)
                 idle = not self._core.connection
@@ -560,7 +598,7 @@ class Client(ShellBase):
                     done = not self._core.wants_connection
                     current, attempt_at = self._core.connection, self._core.attempt_at
                     leave = sock is not None and (done or current != conn)
-                    busy = self._caller_reading  # a caller reads the socket: it is closed once that caller left
+                    busy = bool(self._caller_reading)  # a caller reads the socket: it is closed once that caller left
                     if leave and self._sock is sock:
                         self._sock = None
                         if busy:
@@ -719,6 +757,27 @@ def _dial(address: Address, timeout: float) -> socket.socket:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
+
+
+class _Guarded:
+    """``with``: ``HELD``, then the lock; out: the lock let go, then the held handlers run (they may raise)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        HELD.__enter__()
+        try:
+            self._lock.acquire()
+        except BaseException:
+            HELD.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        HELD.__exit__(None, None, None)
 
 
 class _Wakes:
