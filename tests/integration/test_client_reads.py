@@ -333,6 +333,47 @@ def test_a_signal_handler_that_calls_the_client_while_the_main_thread_waits_is_a
         b.release()
 
 
+def test_a_signal_while_the_main_thread_holds_the_clients_lock_runs_its_handler_once_the_lock_is_free(
+    warned: EmbeddedDaemon,
+) -> None:
+    """A handler run inside a section under the lock would deadlock on it if it called the client."""
+    seen: list[bool] = []
+
+    class SignalOnSend:
+        """The client's socket, whose next ``sendall`` from the main thread is hit by SIGUSR1 (under the lock)."""
+
+        def __init__(self, sock: Any) -> None:
+            self.sock, self.armed = sock, True
+
+        def sendall(self, data: bytes) -> None:
+            self.sock.sendall(data)
+            if self.armed and threading.current_thread() is threading.main_thread():
+                self.armed = False
+                signal.raise_signal(signal.SIGUSR1)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.sock, name)
+
+    with timesliced.Client(job="a", group="g", address=warned.socket, request_timeout=30) as a:
+        a.ping()
+
+        def handler(signum: int, frame: Any) -> None:
+            seen.append(a._lock.locked())
+            if not seen[-1]:  # (taking a held lock here would hang the test instead of failing it)
+                a.ping()
+
+        previous = signal.signal(signal.SIGUSR1, handler)
+        try:
+            with a._lock:
+                assert a._sock is not None
+                a._sock = sock = SignalOnSend(a._sock)  # type: ignore[assignment]
+            assert len(a.status()["jobs"]) == 1
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        assert not sock.armed, "the signal did not land in the main thread's send"
+        assert seen == [False], "the handler ran while the main thread held the client's lock"
+
+
 def test_an_on_push_that_calls_the_client_from_the_main_threads_read_is_answered(tmp_path: Path) -> None:
     """``on_push`` runs on the thread that read the push, here the main thread waiting in its own call."""
     config = DaemonConfig(
