@@ -51,19 +51,25 @@ class HeldSignals:
         self._handlers: dict[int, Handler] = {}  # signal -> the handler its recorder stands for
         self._caught: list[tuple[int, FrameType | None]] = []  # kept here until run: a cut exit loses none
         self._recorder = self._record  # one object, so a handler found is known for one of ours
+        self._seen: list[Any] = []  # every signal's handler as the last block found it
+        self._python: list[tuple[int, Handler]] = []  # those of them that are Python's (not ours)
 
     def __enter__(self) -> HeldSignals:
         self._depth += 1
         if self._depth > 1:
             return self
         try:
-            self._run_caught()  # what a cut exit left, before anything is read
+            if self._caught:
+                self._run_caught()  # what a cut exit left, before anything is read
+            seen = list(map(_getsignal, _SIGNALS))  # the look at every signal, in one C loop
+            if seen != self._seen:  # a handler set since the last block (most blocks find the same)
+                self._seen = seen
+                pairs = zip(_SIGNALS, seen, strict=True)
+                self._python = [(s, h) for s, h in pairs if callable(h) and h is not self._recorder]
             # Swapped while not yet held: a signal meanwhile runs its own handler, before anything was read.
-            for signum in _SIGNALS:
-                handler = _getsignal(signum)
-                if handler is not self._recorder and callable(handler):
-                    self._handlers[signum] = handler
-                    _setsignal(signum, self._recorder)
+            for signum, handler in self._python:
+                self._handlers[signum] = handler
+                _setsignal(signum, self._recorder)
         except BaseException:
             self._depth -= 1  # the ``with`` never began: nothing to leave
             raise

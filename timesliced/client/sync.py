@@ -262,7 +262,7 @@ class Client(ShellBase):
         A handler there then runs once the lock is let go, never in the middle of a section: it cannot
         cut the core's input from what was read, or a socket's hand-back, and it may call the client.
         """
-        return self._guarded if threading.current_thread() is threading.main_thread() else self._lock
+        return self._guarded if threading.get_ident() == threading.main_thread().ident else self._lock
 
     def _call(self, op: str, args: dict[str, Any] | None = None) -> Any:
         return self._request(lambda now: self._core.request(op, args, now))
@@ -413,6 +413,9 @@ class Client(ShellBase):
                             return  # the connection ended or was left
                         self._receive(sock, conn, later)
                         gone = self._core.connection != conn
+                        if taken and any(answer is future for answer, _ in later):  # back in this section
+                            self._hand_back(future, sock, wakes)
+                            taken = False
                 finally:
                     self._dispatch(later)
                 if gone:
@@ -430,25 +433,34 @@ class Client(ShellBase):
     ) -> BaseException | None:
         """``_read_for``'s way out: the socket back to the reader thread, whatever raises; returns what raised.
 
-        Tried until it lands: a socket left taken would never be read again by anyone.
+        Tried until it lands: a socket left taken would never be read again by anyone. With nothing to
+        give back (the read that brought the answer gave it back in its section) it only stops watching.
         """
+        if not taken and not nested:
+            future.watch(None)
+            return None
         error: BaseException | None = None
         while True:
             try:
                 with self._guard():
-                    future.watch(None)
-                    if nested and wakes is not None:
-                        wakes.wake(wakes.caller)  # the read below may have had its answer read here
-                    elif taken and sock is not None and wakes is not None:  # both set before ``taken``
-                        taken = False
-                        self._caller_reading = 0
-                        if self._sock is sock:
-                            wakes.watch(sock, True)  # the reader thread's again, for the pushes
-                        else:
-                            wakes.wake(wakes.reader)  # left by the core: the reader thread closes it now
+                    if taken and sock is not None and wakes is not None:  # both set before ``taken``
+                        self._hand_back(future, sock, wakes)
+                    elif wakes is not None:
+                        future.watch(None)
+                        wakes.wake(wakes.caller)  # the read below this nested one may have had its answer read here
                 return error
             except BaseException as exc:  # a signal's exception before the section began: try again
                 error = error or exc
+
+    def _hand_back(self, future: _Answer, sock: socket.socket, wakes: _Wakes) -> None:
+        """Under the lock: the socket this thread took goes back to the reader thread (each step can be done again)."""
+        future.watch(None)
+        if self._caller_reading == threading.get_ident():
+            self._caller_reading = 0
+            if self._sock is sock:
+                wakes.watch(sock, True)  # the reader thread's again, for the pushes
+            else:
+                wakes.wake(wakes.reader)  # left by the core: the reader thread closes it now
 
     def _receive(self, sock: socket.socket, conn: int, later: list[tuple[_Answer | None, Output]]) -> None:
         """Under the lock: what the socket holds now into the core (its end too); the outputs into ``later``."""
