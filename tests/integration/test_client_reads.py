@@ -374,17 +374,8 @@ def test_a_signal_while_the_main_thread_holds_the_clients_lock_runs_its_handler_
         assert seen == [False], "the handler ran while the main thread held the client's lock"
 
 
-def test_an_on_push_that_calls_the_client_from_the_main_threads_read_is_answered(tmp_path: Path) -> None:
+def test_an_on_push_that_calls_the_client_from_the_main_threads_read_is_answered(warned: EmbeddedDaemon) -> None:
     """``on_push`` runs on the thread that read the push, here the main thread waiting in its own call."""
-    config = DaemonConfig(
-        state_dir=tmp_path / "state",
-        backend="sim",
-        gpus=1,
-        gpu_memory=8 * MiB,
-        bandwidth=0,
-        slice_policies={"*": SlicePolicy(0.2, "warn")},
-    )
-    d = EmbeddedDaemon(config).start()
     released: list[str] = []
     clients: list[timesliced.Client] = []
 
@@ -393,24 +384,20 @@ def test_an_on_push_that_calls_the_client_from_the_main_threads_read_is_answered
             clients[0].release()
             released.append(threading.current_thread().name)
 
-    try:
-        with (
-            timesliced.Client(job="a", group="g", address=d.socket, on_push=on_push, request_timeout=30) as a,
-            timesliced.Client(job="b", group="g", address=d.socket) as b,
-        ):
-            clients.append(a)
-            a.acquire()
-            waiter, got = acquire_in_thread(b, timeout=20)  # b waits: a's slice is overdue after 0.2 s
-            deadline = time.monotonic() + 20
-            while not released and time.monotonic() < deadline:
-                a.ping()  # the main thread reads the socket while it waits for each answer
-            waiter.join(20)
-            assert released, "on_push never saw slice_overdue, or its release failed"
-            assert got and isinstance(got[0], timesliced.Grant) and got[0].job == "b"
-            b.release()
-    finally:
-        d.stop()
-        shutil.rmtree(default_sim_dir(tmp_path / "state"), ignore_errors=True)
+    with (
+        timesliced.Client(job="a", group="g", address=warned.socket, on_push=on_push, request_timeout=30) as a,
+        timesliced.Client(job="b", group="g", address=warned.socket) as b,
+    ):
+        clients.append(a)
+        a.acquire()
+        waiter, got = acquire_in_thread(b, timeout=20)  # b waits: a's slice is overdue after 0.2 s
+        deadline = time.monotonic() + 20
+        while not released and time.monotonic() < deadline:
+            a.ping()  # the main thread reads the socket while it waits for each answer
+        waiter.join(20)
+        assert released, "on_push never saw slice_overdue, or its release failed"
+        assert got and isinstance(got[0], timesliced.Grant) and got[0].job == "b"
+        b.release()
 
 
 def test_a_caller_interrupted_as_it_takes_the_socket_gives_it_back(
