@@ -242,26 +242,24 @@ def test_a_gang_whose_clean_up_is_interrupted_still_gives_back_every_member(
 
     The trainer's grant, taken already, must be released all the same: its caller was told none holds.
     """
-    from timesliced.client import gang as gang_module
-
     sock = str(daemon.socket)
     with (
         timesliced.Client("trainer", "trainers", address=sock, gpus=[0]) as trainer,
         timesliced.Client("sampler", "samplers", address=sock, gpus=[1]) as sampler,
         timesliced.Client("rival", "trainers", address=sock, gpus=[0]) as rival,
     ):
-        wait, abandon = sampler._wait, gang_module._abandon
+        wait, withdraw = sampler._wait, sampler._withdraw
 
         def wait_then_interrupt(waiter: Any) -> Any:
             wait(waiter)
             raise KeyboardInterrupt
 
-        def abandon_then_interrupt(client: Any, rid: int) -> None:
-            abandon(client, rid)
+        def withdraw_then_interrupt(rid: int) -> None:
+            withdraw(rid)
             raise KeyboardInterrupt
 
         monkeypatch.setattr(sampler, "_wait", wait_then_interrupt)
-        monkeypatch.setattr(gang_module, "_abandon", abandon_then_interrupt)
+        monkeypatch.setattr(sampler, "_withdraw", withdraw_then_interrupt)
         with pytest.raises(KeyboardInterrupt):
             acquire_gang(trainer, sampler, timeout=30.0)
         monkeypatch.undo()

@@ -188,8 +188,7 @@ class AsyncClient(ShellBase):
             self._pump()
             self._ensure_supervisor()
         except BaseException:
-            self._waiters.pop(rid, None)
-            self._step(functools.partial(self._core.abandon, rid))
+            self._withdraw(rid)
             raise
         return rid, future
 
@@ -206,12 +205,16 @@ class AsyncClient(ShellBase):
                 except TimeoutError:
                     self._step(self._core.handle_timers)
         except BaseException:  # cancelled: withdraw at once, never leave a ghost waiter
-            self._waiters.pop(rid, None)
             if future.done() and not future.cancelled():
                 future.exception()  # seen: the caller raises its own
-            self._step(functools.partial(self._core.abandon, rid))
+            self._withdraw(rid)
             raise
         return future.result()
+
+    def _withdraw(self, rid: int) -> None:
+        """The caller of ``rid`` stopped waiting: the core abandons it (an acquire leaves the queue)."""
+        self._waiters.pop(rid, None)
+        self._step(functools.partial(self._core.abandon, rid))
 
     def _step(self, action: Callable[[float], T]) -> T:
         """One input into the core, then its outputs carried out."""

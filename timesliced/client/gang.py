@@ -49,9 +49,9 @@ def gang(*clients: Client, timeout: float | None = None, name: str | None = None
     try:
         yield grants
     except BaseException:
-        _every(_release_quietly, [(client,) for client in clients])  # the block's exception is the one raised
+        _every([functools.partial(_release_quietly, client) for client in clients])  # the block's exception goes on
         raise
-    if (error := _every(_release_quietly, [(client,) for client in clients])) is not None:
+    if (error := _every([functools.partial(_release_quietly, client) for client in clients])) is not None:
         raise error
 
 
@@ -76,11 +76,8 @@ def acquire_gang(*clients: Client, timeout: float | None = None, name: str | Non
         # Every member submitted and not in ``grants`` is withdrawn: the one whose wait raised withdrew
         # itself already (withdrawing it again changes nothing), and one whose grant came back just as
         # the interrupt landed gives it back. Then the members granted release.
-        _every(
-            _abandon,
-            [(client, waiter[0]) for client, waiter in list(zip(clients, waiters, strict=False))[len(grants) :]],
-        )
-        _every(_release_quietly, [(client,) for client in clients[: len(grants)]])
+        _every([functools.partial(c._withdraw, w[0]) for c, w in zip(clients, waiters, strict=False)][len(grants) :])
+        _every([functools.partial(_release_quietly, client) for client in clients[: len(grants)]])
         raise
     return grants
 
@@ -94,9 +91,9 @@ async def gang_async(
     try:
         yield grants
     except BaseException:
-        await _aevery(_arelease_quietly, [(client,) for client in clients])  # the block's exception is raised
+        await _aevery([functools.partial(_arelease_quietly, client) for client in clients])  # the block's goes on
         raise
-    if (error := await _aevery(_arelease_quietly, [(client,) for client in clients])) is not None:
+    if (error := await _aevery([functools.partial(_arelease_quietly, client) for client in clients])) is not None:
         raise error
 
 
@@ -117,50 +114,33 @@ async def acquire_gang_async(
         for client, waiter in zip(clients, waiters, strict=True):
             grants.append(await client._wait(waiter))
     except BaseException:
-        _every(
-            _aabandon,
-            [(client, waiter[0]) for client, waiter in list(zip(clients, waiters, strict=False))[len(grants) :]],
-        )
-        await _aevery(_arelease_quietly, [(client,) for client in clients[: len(grants)]])
+        _every([functools.partial(c._withdraw, w[0]) for c, w in zip(clients, waiters, strict=False)][len(grants) :])
+        await _aevery([functools.partial(_arelease_quietly, client) for client in clients[: len(grants)]])
         raise
     return grants
 
 
-def _every(step: Callable[..., None], calls: list[tuple[Any, ...]]) -> BaseException | None:
-    """``step(*args)`` for every member, whatever one of them raises (a second Ctrl-C, a lost daemon);
-    returns the first error. A member left out would keep a group held or queued that its caller thinks
-    it let go."""
+def _every(calls: Sequence[Callable[[], object]]) -> BaseException | None:
+    """Each call, one per member, whatever one of them raises (a second Ctrl-C, a lost daemon); returns
+    the first error. A member left out would keep a group held or queued that its caller thinks it let go."""
     error: BaseException | None = None
-    for args in calls:
+    for call in calls:
         try:
-            step(*args)
+            call()
         except BaseException as exc:
             error = error or exc
     return error
 
 
-async def _aevery(step: Callable[..., Awaitable[None]], calls: list[tuple[Any, ...]]) -> BaseException | None:
+async def _aevery(calls: Sequence[Callable[[], Awaitable[object]]]) -> BaseException | None:
     """``_every`` for coroutines: a cancellation while one member releases does not skip the others."""
     error: BaseException | None = None
-    for args in calls:
+    for call in calls:
         try:
-            await step(*args)
+            await call()
         except BaseException as exc:
             error = error or exc
     return error
-
-
-def _abandon(client: Client, rid: int) -> None:
-    """The caller stops waiting for ``rid``: it leaves the queue (a grant that won the race goes back)."""
-    with client._guard():
-        client._waiters.pop(rid, None)
-    client._step(functools.partial(client._core.abandon, rid))
-
-
-def _aabandon(client: AsyncClient, rid: int) -> None:
-    """``_abandon`` for an ``AsyncClient`` (the loop's one thread: no lock)."""
-    client._waiters.pop(rid, None)
-    client._step(functools.partial(client._core.abandon, rid))
 
 
 def _release_quietly(client: Client) -> None:
