@@ -410,6 +410,9 @@ def test_a_caller_interrupted_as_it_takes_the_socket_gives_it_back(
         a.ping()
         watch = sync._Wakes.watch
         armed = [True]
+        with a._lock:  # the reader thread reads no answer now: the ping's caller must take the socket to get its own
+            assert a._wakes is not None and a._sock is not None
+            watch(a._wakes, a._sock, False)
 
         def interrupted_watch(self: Any, sock: Any, on: bool) -> None:
             watch(self, sock, on)
