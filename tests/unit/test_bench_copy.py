@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from timesliced.bench.copy import describe_link, format_copy, run_copy
+import mmap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from timesliced.bench.copy import describe_link, format_copy, measure_ceiling, run_copy
 
 
 def test_bench_copy_reports_the_ceiling_and_each_move_against_its_model() -> None:
@@ -34,3 +40,31 @@ def test_the_link_line_says_when_the_model_outruns_the_machine() -> None:
     assert "faster than this machine copies" in describe_link({"model_gbps": 25.0, "copy_ceiling_gbps": 10.0})
     assert "faster" not in describe_link({"model_gbps": 2.0, "copy_ceiling_gbps": 10.0})
     assert "(unpaced)" in describe_link({"model_gbps": 0.0, "copy_ceiling_gbps": 10.0})
+
+
+def test_the_ceiling_holds_one_runs_pages_at_a_time_however_many_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each timed copy into a fresh file maps its own file: the runs before must be unmapped by then.
+
+    They were kept to the end, so ``--rounds 60`` held 60 times 256 MiB of tmpfs twice over and the
+    kernel killed the bench.
+    """
+    live: set[int] = set()
+    most = 0
+
+    class Counted(mmap.mmap):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            nonlocal most
+            live.add(id(self))
+            most = max(most, len(live))
+
+        def close(self) -> None:
+            live.discard(id(self))
+            super().close()
+
+    monkeypatch.setattr(mmap, "mmap", Counted)  # what the bench module calls
+    figures = measure_ceiling(tmp_path, mib=1, reps=5)
+    assert figures["fresh_mmap_gbps"] > 0 and figures["prefaulted_gbps"] > 0
+    assert most == 1 and not live
+    assert list(tmp_path.iterdir()) == []

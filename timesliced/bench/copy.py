@@ -113,10 +113,15 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
     out: dict[str, float] = {}
     out["warm_gbps"] = _best(reps, n, _copier(dst, src, n))
     out["warm_chunked_gbps"] = _best(reps, n, _copier(dst, src, COPY_CHUNK))
-    maps: list[mmap.mmap] = []
+    maps: list[mmap.mmap] = []  # the mapping of the run being timed: a run's file is gone once the next starts
 
     def copy_into(fd: int, flags: int = mmap.MAP_SHARED) -> Callable[[], None]:
-        """A copy of the source into ``fd``'s pages through a shared mapping (closes ``fd``)."""
+        """A copy of the source into ``fd``'s pages through a shared mapping (closes ``fd``).
+
+        The previous run's mapping is closed first: its file is unlinked already, so the mapping is all
+        that holds its pages, and ``reps`` runs of them would hold ``reps`` times ``mib`` of tmpfs.
+        """
+        _unmap(maps)
         m = mmap.mmap(fd, n, flags=flags)
         os.close(fd)
         maps.append(m)
@@ -151,10 +156,15 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
         return copy_into(fd, mmap.MAP_SHARED | _POPULATE)
 
     out["prefaulted_gbps"] = _best(reps, n, prefaulted)
-    for m in maps:
-        m.close()
+    _unmap(maps)
     (folder / "fresh").unlink(missing_ok=True)
     return out
+
+
+def _unmap(maps: list[mmap.mmap]) -> None:
+    for m in maps:
+        m.close()
+    maps.clear()
 
 
 async def _sim_moves(
