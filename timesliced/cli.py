@@ -18,7 +18,7 @@ from typing import Any
 
 from . import errors
 from .client import launch
-from .cluster.discovery import DEFAULT_PEER_PORT, local_addresses, resolve_cluster
+from .cluster.discovery import DEFAULT_PEER_PORT, Member, NotListedYet, local_addresses, resolve_cluster, settle
 from .config import DEFAULT_WEB, ClusterConfig, DaemonConfig, parse_queue_policy, parse_slice_policy
 from .daemon.config_commands import add_config_commands, with_config_file
 from .daemon.configfile import apply_groups, size_arg
@@ -28,6 +28,8 @@ from .sim import DEFAULT_BANDWIDTH, DEFAULT_POOL
 from .sim import clean as sim_clean
 from .util.parse import parse_host_port
 from .version import __version__
+
+log = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -382,6 +384,13 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     cluster.add_argument("--peers", default=None, metavar="[ID=]HOST:PORT,...", help="every member, this node's too")
     cluster.add_argument("--slurm", action="store_true", help="members: the nodes of $SLURM_JOB_NODELIST")
     cluster.add_argument("--dns", default=None, metavar="NAME", help="members: the addresses of a headless service")
+    cluster.add_argument(
+        "--dns-wait",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="with --dns: how long to try again while the name lists no address of this node (a new pod's is late)",
+    )
     cluster.add_argument("--node-id", default=None, help="which member this node is (default: found by host name)")
     cluster.add_argument("--peer-port", type=int, default=DEFAULT_PEER_PORT, help="default peer port of members")
     cluster.add_argument(
@@ -471,16 +480,25 @@ def cluster_from_args(args: argparse.Namespace, token: str | None) -> tuple[Clus
     """The cluster this daemon is a member of, and its node id; raises ``ValueError``."""
     if token is None:
         raise ValueError(f"a cluster needs a shared token: give --token-file PATH or set ${TOKEN_ENV}")
-    members, me = resolve_cluster(
-        peers=args.peers,
-        slurm=args.slurm,
-        dns=args.dns,
-        node_id=args.node_id,
-        port=args.peer_port,
-        environ=os.environ,
-        hostname=socket.gethostname(),
-        addresses=local_addresses(),
-    )
+    if args.dns_wait < 0:
+        raise ValueError("--dns-wait must be 0 or more seconds")
+
+    def attempt() -> tuple[tuple[Member, ...], Member]:
+        return resolve_cluster(
+            peers=args.peers,
+            slurm=args.slurm,
+            dns=args.dns,
+            node_id=args.node_id,
+            port=args.peer_port,
+            environ=os.environ,
+            hostname=socket.gethostname(),
+            addresses=local_addresses(),
+        )
+
+    def retry(exc: NotListedYet) -> None:
+        log.warning("%s; trying again (--dns-wait %gs)", exc, args.dns_wait)
+
+    members, me = settle(attempt, args.dns_wait if args.dns is not None else 0.0, on_retry=retry)
     if not args.election_timeout > 0:
         raise ValueError("--election-timeout must be a positive number of seconds")
     lo = args.election_timeout

@@ -351,11 +351,14 @@ def test_an_unknown_node_is_refused(caplog: pytest.LogCaptureFixture) -> None:
         b, c = net.node("b", ["a"]), net.node("c", ["b"])
         await net.start(b, c)
         c.t.send("b", {"n": 1})
-        await eventually(lambda: "unknown node 'c'" in (c.peer("b")["last_error"] or ""), "the refusal")
+        refusal = "node 'c' is not a member here (members: a, b); start every daemon with the same members"
+        await eventually(lambda: refusal in (c.peer("b")["last_error"] or ""), "the refusal")
         assert b.inbox == [] and not c.t.connected("b")
 
     run(body)
-    assert any(r.levelno == logging.WARNING and "unknown node 'c'" in r.getMessage() for r in caplog.records)
+    assert any(
+        r.levelno == logging.WARNING and "node 'c' is not a member here" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_dialing_an_address_where_another_node_answers_is_refused() -> None:

@@ -37,8 +37,9 @@ else:
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "packaging" / "kubernetes"
-OVERLAYS = ("minimal", "existing-objects", "cuda-checkpoint")
+OVERLAYS = ("minimal", "existing-objects", "cuda-checkpoint", "cluster")
 EXAMPLES = ("dra", "time-slicing")
+COMPONENTS = ("cuda-checkpoint", "cluster")
 # The oldest Kubernetes each piece is checked against, and the newest the validator carries. DRA's
 # resource.k8s.io/v1 is served from 1.34, where DRA became GA.
 OLDEST = {"overlays": "1.30", "examples/dra": "1.34", "examples/time-slicing": "1.30"}
@@ -68,13 +69,30 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Obj]]:
     operator creates by hand (they are git-ignored)."""
     tree = tmp_path_factory.mktemp("kube") / "kubernetes"
     shutil.copytree(KUBE, tree, ignore=shutil.ignore_patterns("token"))
-    for overlay in ("minimal", "cuda-checkpoint"):
+    for overlay in ("minimal", "cuda-checkpoint", "cluster"):
         (tree / "overlays" / overlay / "token").write_text(TOKEN + "\n")
     found = {p.parent.relative_to(tree).as_posix() for p in tree.rglob("kustomization.yaml")}
     expected = {f"overlays/{o}" for o in OVERLAYS} | {f"examples/{e}" for e in EXAMPLES}
-    expected |= {"base", "components/cuda-checkpoint"}
-    assert found == expected, "a kustomization was added or removed: list it in OVERLAYS or EXAMPLES"
-    return {name: render(tree, name) for name in sorted(expected - {"base", "components/cuda-checkpoint"})}
+    components = {f"components/{c}" for c in COMPONENTS}
+    expected |= {"base"} | components
+    assert found == expected, "a kustomization was added or removed: list it in OVERLAYS, EXAMPLES or COMPONENTS"
+    out = {name: render(tree, name) for name in sorted(expected - {"base"} - components)}
+    # Both components at once, in either order: each appends its own flags.
+    for order in (COMPONENTS, COMPONENTS[::-1]):
+        name = "overlays/" + "+".join(order)
+        both = tree / name
+        both.mkdir()
+        (both / "kustomization.yaml").write_text(
+            (tree / "overlays" / "cluster" / "kustomization.yaml")
+            .read_text()
+            .replace(
+                "components:\n  - ../../components/cluster",
+                "components:" + "".join(f"\n  - ../../components/{c}" for c in order),
+            )
+        )
+        (both / "token").write_text(TOKEN + "\n")
+        out[name] = render(tree, name)
+    return out
 
 
 def one(objects: list[Obj], kind: str, name: str | None = None) -> Obj:
@@ -358,18 +376,50 @@ def test_the_headless_service_selects_the_daemons_and_its_name_is_what_the_confi
     ports = {p["name"]: p["containerPort"] for p in container(objects)["ports"]}
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
 
-    suggested = [
-        line.partition("=")[2].strip().strip('"')
-        for line in (KUBE / "base" / "timesliced.toml").read_text().splitlines()
-        if line.startswith("# dns =")
-    ]
     namespace = service["metadata"]["namespace"]
-    assert suggested == [f"timesliced-peers.{namespace}.svc.cluster.local"]
-    members = peers_from_dns(suggested[0], ports["peer"], resolve=lambda name: ["10.0.0.7", "10.0.1.9"])
+    passed = serve_args(rendered["overlays/cluster"]).dns
+    assert passed == f"timesliced-peers.{namespace}.svc.cluster.local"
+    members = peers_from_dns(passed, ports["peer"], resolve=lambda name: ["10.0.0.7", "10.0.1.9"])
     assert [(m.id, m.port) for m in members] == [("10.0.0.7", ports["peer"]), ("10.0.1.9", ports["peer"])]
-    # The daemon finds itself among them by its pod IP.
+    # The daemon finds itself among them by its pod IP (its node's, on the node's network).
     env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container(objects)["env"]}
     assert env["POD_IP"] == "status.podIP" and env["NODE_NAME"] == "spec.nodeName"
+
+
+def serve_args(objects: list[Obj]) -> Any:
+    args = container(objects)["args"]
+    assert args[0] == "serve", args
+    return serve_parser().parse_args(args[1:])
+
+
+def test_cluster_mode_and_only_it_runs_on_the_nodes_network(rendered: dict[str, list[Obj]]) -> None:
+    """A member's id is its address: on the node's network a restarted daemon's is the one its peers know.
+
+    Everything else stays on pod addresses, and no overlay without the cluster component is a cluster.
+    """
+    clusters = [name for name in rendered if name.startswith("overlays/") and "cluster" in name]
+    assert sorted(clusters) == [
+        "overlays/cluster",
+        "overlays/cluster+cuda-checkpoint",
+        "overlays/cuda-checkpoint+cluster",
+    ]
+    for name, objects in rendered.items():
+        if not name.startswith("overlays/"):
+            continue
+        spec, args = pod_spec(objects), serve_args(objects)
+        if name in clusters:
+            assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet", name
+            assert args.dns == "timesliced-peers.timesliced.svc.cluster.local", name
+        else:
+            assert "hostNetwork" not in spec and args.dns is None, name
+        assert args.backend == (
+            "cuda-checkpoint" if "cuda-checkpoint" in name else serve_parser().get_default("backend")
+        )
+        assert str(args.config) == CONFIG_PATH and args.node == "$(NODE_NAME)", name
+
+
+def test_the_shipped_config_does_not_make_a_cluster_on_pod_addresses() -> None:
+    assert "dns" not in shipped_config()
 
 
 # --- the examples -------------------------------------------------------------------------
@@ -419,7 +469,7 @@ def test_namespaces_whose_pods_mount_host_directories_are_admitted_at_the_privil
                 labels = namespaces[obj["metadata"]["namespace"]]["metadata"]["labels"]
                 assert labels["pod-security.kubernetes.io/enforce"] == "privileged", f"{name}: {obj['kind']}"
                 checked += 1
-    assert checked == len(OVERLAYS) + 2 * len(EXAMPLES)
+    assert checked == sum(name.startswith("overlays/") for name in rendered) + 2 * len(EXAMPLES)
 
 
 @pytest.mark.slow

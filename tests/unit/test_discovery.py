@@ -12,6 +12,7 @@ from timesliced.cluster.discovery import (
     DEFAULT_PEER_PORT,
     MAX_HOSTLIST,
     Member,
+    NotListedYet,
     expand_hostlist,
     find_self,
     local_addresses,
@@ -19,6 +20,7 @@ from timesliced.cluster.discovery import (
     peers_from_dns,
     peers_from_slurm,
     resolve_cluster,
+    settle,
 )
 
 P = DEFAULT_PEER_PORT
@@ -419,6 +421,90 @@ def test_resolve_cluster_from_each_source() -> None:
 def test_resolve_cluster_rejects(sources: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _resolve(**sources)
+
+
+def test_only_what_waiting_may_cure_is_not_listed_yet() -> None:
+    """A name with no addresses yet, or none of them this node's, may list it later; a typo never."""
+    for sources in ({"dns": "svc", "resolve": lambda _: []}, {"dns": "svc", "addresses": ["10.0.0.9"]}):
+        with pytest.raises(NotListedYet):
+            _resolve(**sources)
+    with pytest.raises(ValueError) as bad:
+        _resolve(dns="bad name")
+    assert not isinstance(bad.value, NotListedYet)
+    with pytest.raises(ValueError, match="all match") as ambiguous:
+        _resolve(dns="svc", addresses=["10.0.0.1", "10.0.0.2"])
+    assert not isinstance(ambiguous.value, NotListedYet)
+
+
+# --- settle ----------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_settle_tries_again_until_this_node_is_listed() -> None:
+    answers = [[], ["10.0.0.2"], ["10.0.0.1", "10.0.0.2"]]  # the pod's own address comes last
+    clock, retried = _Clock(), []
+    members, me = settle(
+        lambda: _resolve(dns="svc", addresses=["10.0.0.1"], resolve=lambda _: answers.pop(0)),
+        60,
+        on_retry=lambda exc: retried.append(str(exc)),
+        sleep=clock.sleep,
+        clock=lambda: clock.now,
+    )
+    assert me.id == "10.0.0.1" and [m.id for m in members] == ["10.0.0.1", "10.0.0.2"]
+    assert clock.slept == [2.0, 2.0] and answers == []
+    assert "resolved to no addresses" in retried[0] and "none of 10.0.0.2 matches" in retried[1]
+
+
+def test_settle_gives_up_after_its_patience_saying_so() -> None:
+    clock = _Clock()
+    with pytest.raises(NotListedYet, match=r"resolved to no addresses \(still so after waiting 5s: see --dns-wait\)"):
+        settle(lambda: _resolve(dns="svc", resolve=lambda _: []), 5, sleep=clock.sleep, clock=lambda: clock.now)
+    assert clock.slept == [2.0, 2.0, 1.0]
+
+
+def test_settle_does_not_wait_on_a_mistake_or_without_patience() -> None:
+    clock = _Clock()
+    with pytest.raises(ValueError, match="bad service name"):
+        settle(lambda: _resolve(dns="bad name"), 60, sleep=clock.sleep, clock=lambda: clock.now)
+    with pytest.raises(NotListedYet, match=r"resolved to no addresses$"):
+        settle(lambda: _resolve(dns="svc", resolve=lambda _: []), 0, sleep=clock.sleep, clock=lambda: clock.now)
+    assert clock.slept == []
+
+
+def test_serve_waits_for_its_own_address_under_dns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``timesliced serve --dns``: a pod whose address the service does not list yet waits for it."""
+    from timesliced import cli
+
+    answers = [["10.0.0.2"], ["10.0.0.1", "10.0.0.2"]]
+    monkeypatch.setattr(discovery, "getaddrinfo_resolver", lambda name: answers.pop(0))
+    monkeypatch.setattr(cli, "local_addresses", lambda: {"10.0.0.1"})
+    for name in ("TIMESLICED_TOKEN_FILE", "TIMESLICED_PEER_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TIMESLICED_TOKEN", "a-shared-token-of-some-length")
+    argv = ["serve", "--dns", "svc", "--dns-wait", "0.2"]
+    config = cli.config_from_args(cli.build_parser().parse_args(argv))
+    assert (
+        config.node == "10.0.0.1"
+        and config.cluster is not None
+        and sorted(config.cluster.members)
+        == [
+            "10.0.0.1",
+            "10.0.0.2",
+        ]
+    )
+    assert answers == []
+    answers[:] = [["10.0.0.2"]] * 10
+    with pytest.raises(SystemExit, match=r"none of 10.0.0.2 matches; pass --node-id \(still so after waiting 0.2s"):
+        cli.config_from_args(cli.build_parser().parse_args(argv))
 
 
 # --- local_addresses ---------------------------------------------------------------------------

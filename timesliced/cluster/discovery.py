@@ -9,9 +9,11 @@ source:
 - ``--slurm``: the job's node list (``SLURM_JOB_NODELIST``), ids are the host names;
 - ``--dns``: a Kubernetes headless service, every address it resolves to is a member.
 
-Everything here is pure except the default DNS resolver and ``local_addresses``;
-both are injected into the pure functions as arguments. Bad input raises
-``ValueError`` with a message meant for the person who wrote the command line.
+Everything here is pure except the default DNS resolver, ``local_addresses`` and
+``settle``'s clock and sleep; all are injected into the pure functions as arguments.
+Bad input raises ``ValueError`` with a message meant for the person who wrote the
+command line; ``NotListedYet`` (a ``ValueError``) where the source does not list
+this node yet, which waiting may cure.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import itertools
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 DEFAULT_PEER_PORT = 7713
 MAX_HOSTLIST = 65536  # names one hostlist may expand to; bounds memory on a typo like [0-99999999]
@@ -35,6 +39,15 @@ _PORT = re.compile(r"[0-9]+")
 _RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 
 Resolver = Callable[[str], list[str]]
+_T = TypeVar("_T")
+
+
+class NotListedYet(ValueError):
+    """The source does not list this node yet: a name with no addresses, or none of them this node's.
+
+    Under Kubernetes a new pod's address reaches the headless service's DNS answers some seconds after
+    the pod starts, so ``--dns`` tries again for ``--dns-wait`` seconds on this error (``settle``).
+    """
 
 
 @dataclass(frozen=True)
@@ -334,10 +347,10 @@ def peers_from_dns(service: str, port: int = DEFAULT_PEER_PORT, resolve: Resolve
     try:
         addresses = (resolve or getaddrinfo_resolver)(name)
     except (OSError, UnicodeError) as e:
-        raise ValueError(f"--dns {service!r}: cannot resolve {name!r}: {e}") from None
+        raise NotListedYet(f"--dns {service!r}: cannot resolve {name!r}: {e}") from None
     canonical = sorted({_canonical_host(address) for address in addresses})
     if not canonical:
-        raise ValueError(f"--dns {service!r}: {name!r} resolved to no addresses")
+        raise NotListedYet(f"--dns {service!r}: {name!r} resolved to no addresses")
     members = []
     for address in canonical:
         problem = id_problem(address)
@@ -368,7 +381,7 @@ def find_self(members: tuple[Member, ...], node_id: str | None, *, hostname: str
     matches = [m for m in members if m.id.lower() in names or m.host.lower() in names or m.host in ips]
     seen_as = f"hostname {hostname!r}, addresses {', '.join(sorted(ips)) or 'none'}"
     if not matches:
-        raise ValueError(
+        raise NotListedYet(
             f"cannot tell which cluster member this node is ({seen_as}); none of {ids} matches; pass --node-id"
         )
     if len(matches) > 1:
@@ -408,6 +421,34 @@ def resolve_cluster(
     else:
         members = peers_from_slurm(environ, port)
     return members, find_self(members, node_id, hostname=hostname, addresses=addresses)
+
+
+def settle(
+    attempt: Callable[[], _T],
+    patience: float,
+    *,
+    interval: float = 2.0,
+    on_retry: Callable[[NotListedYet], None] = lambda _: None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> _T:
+    """``attempt()``, tried again every ``interval`` seconds while it raises ``NotListedYet``, for ``patience``.
+
+    Raises the last ``NotListedYet`` once ``patience`` is spent, with how long it waited; any other
+    ``ValueError`` at once (a typo does not get better by waiting).
+    """
+    deadline = clock() + patience
+    while True:
+        try:
+            return attempt()
+        except NotListedYet as exc:
+            left = deadline - clock()
+            if left <= 0:
+                if patience > 0:
+                    raise NotListedYet(f"{exc} (still so after waiting {patience:g}s: see --dns-wait)") from None
+                raise
+            on_retry(exc)
+            sleep(min(interval, left))
 
 
 def local_addresses() -> set[str]:

@@ -360,7 +360,12 @@ class PeerTransport:
             return f"protocol {_shown(version)} is not supported (this node speaks {PEER_PROTOCOL})"
         node = message.get("node")
         if not isinstance(node, str) or node not in self._links:
-            return f"unknown node {_shown(node)}"
+            members = sorted([*self._links, self.node_id])
+            shown = ", ".join(members[:8]) + (f" and {len(members) - 8} more" if len(members) > 8 else "")
+            return (
+                f"node {_shown(node)} is not a member here (members: {shown}); start every daemon with the same "
+                "members (with --dns a member's id is its address: keep it across restarts, as on the host network)"
+            )
         to = message.get("to")
         if to != self.node_id:
             return f"this is node {self.node_id!r}, not {_shown(to)}"
