@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     handoff.add_argument("--jobs", type=int, default=2, help="jobs ping-ponging the group")
     handoff.add_argument("--json", action="store_true", help="print one JSON object")
     handoff.add_argument("--nodes", type=int, default=1, help="N > 1: a cluster of N daemons; clients on a follower")
+    handoff.add_argument(
+        "--gap",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="each job waits MS after its release before it asks again (its work off the GPU; below the 1 ms hold)",
+    )
     failover = bench_sub.add_parser("failover", help="kill -9 the leader of 3 daemons; time to the next grant")
     failover.add_argument("--kills", type=int, default=20)
     failover.add_argument("--json", action="store_true", help="print one JSON object")
@@ -625,7 +632,10 @@ def _interrupt(signum: int, frame: Any) -> None:
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
     from .bench.handoff import format_handoff, run_handoff
 
-    result = run_handoff(rounds=args.rounds, jobs=args.jobs, nodes=args.nodes)
+    try:
+        result = run_handoff(rounds=args.rounds, jobs=args.jobs, nodes=args.nodes, gap_s=args.gap / 1000)
+    except ValueError as exc:
+        raise SystemExit(f"timesliced: bench handoff: {exc}") from None
     print(json.dumps(result, indent=2) if args.json else format_handoff(result))
     return 0
 

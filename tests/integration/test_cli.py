@@ -164,6 +164,17 @@ def test_bench_handoff_prints_figures() -> None:
     assert figures["fences_strictly_increasing"]
 
 
+def test_bench_handoff_with_a_gap_between_slices() -> None:
+    """``--gap``: each job is off the lock that long between its slices; every release still hands over."""
+    result = cli("bench", "handoff", "--rounds", "100", "--gap", "0.4", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    assert figures["gap_ms"] == 0.4 and figures["handoffs"] >= 75 and figures["fences_strictly_increasing"]
+    refused = cli("bench", "handoff", "--gap", "1", timeout=60)
+    assert refused.returncode != 0
+    assert "bench handoff: the gap must be at least 0 and below the hold (1 ms)" in refused.stderr
+
+
 def test_bench_handoff_across_nodes_prints_figures() -> None:
     result = cli("bench", "handoff", "--nodes", "3", "--rounds", "200", "--json", timeout=300)
     assert result.returncode == 0, result.stderr

@@ -40,7 +40,7 @@ GROUP = "bench"
 # --- workers (run in their own processes) --------------------------------------------
 
 
-def handoff_worker(address: str, job: str, jobs: int, rounds: int, hold_s: float) -> dict[str, Any]:
+def handoff_worker(address: str, job: str, jobs: int, rounds: int, hold_s: float, gap_s: float = 0.0) -> dict[str, Any]:
     from ..client import Client
 
     with Client(job=job, group=GROUP, address=address) as client:
@@ -54,6 +54,8 @@ def handoff_worker(address: str, job: str, jobs: int, rounds: int, hold_s: float
             released = time.perf_counter()
             client.release()
             slices.append((acquired, released, grant.fence))
+            if gap_s:
+                time.sleep(gap_s)  # the job's work between two slices, off the GPU
     return {"job": job, "slices": slices}
 
 
@@ -123,7 +125,9 @@ class RawClient:
         self.sock.close()
 
 
-def raw_handoff_worker(address: str, job: str, jobs: int, rounds: int, hold_s: float) -> dict[str, Any]:
+def raw_handoff_worker(
+    address: str, job: str, jobs: int, rounds: int, hold_s: float, gap_s: float = 0.0
+) -> dict[str, Any]:
     client = RawClient(address, job, GROUP)
     try:
         while len(client.call("status")["jobs"]) < jobs:
@@ -136,6 +140,8 @@ def raw_handoff_worker(address: str, job: str, jobs: int, rounds: int, hold_s: f
             released = time.perf_counter()
             client.call("release")
             slices.append((acquired, released, grant["fence"]))
+            if gap_s:
+                time.sleep(gap_s)
     finally:
         client.close()
     return {"job": job, "slices": slices}
@@ -306,14 +312,22 @@ def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return result
 
 
-def run_handoff(rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001, nodes: int = 1) -> dict[str, Any]:
+def run_handoff(
+    rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001, nodes: int = 1, gap_s: float = 0.0
+) -> dict[str, Any]:
     """Handoff latency, uncontended acquire+release rate and the loopback floor.
 
     ``nodes > 1``: a cluster of that many daemons on loopback, with the job processes on a
     follower, so every acquire and release is forwarded to the leader on another daemon.
+    ``gap_s``: each job waits that long after its release before it asks again (its work off the
+    GPU); below ``hold_s``, so that the others still queue behind every holder. Raises ``ValueError``.
     """
     if jobs < 2 or rounds < 10:
         raise ValueError("need at least 2 jobs and 10 rounds")
+    if not 0 <= gap_s < hold_s:
+        raise ValueError(
+            f"the gap must be at least 0 and below the hold ({hold_s * 1000:g} ms), so that every release hands over"
+        )
     if nodes > 1:
         from .cluster import LocalCluster
 
@@ -321,23 +335,24 @@ def run_handoff(rounds: int = 2000, jobs: int = 2, hold_s: float = 0.001, nodes:
             cluster.start_all()
             leader = cluster.leader()
             follower = next(n for n in cluster.names if n != leader)
-            figures = _measure_handoff(str(cluster.socket(follower)), rounds, jobs, hold_s)
+            figures = _measure_handoff(str(cluster.socket(follower)), rounds, jobs, hold_s, gap_s)
         return {"nodes": nodes, "leader": leader, "clients_on": follower, **figures}
     with DaemonProcess("--gpus", "1", "--gpu-memory", "64MiB") as daemon:
-        return {"nodes": 1, **_measure_handoff(daemon.socket, rounds, jobs, hold_s)}
+        return {"nodes": 1, **_measure_handoff(daemon.socket, rounds, jobs, hold_s, gap_s)}
 
 
-def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float) -> dict[str, Any]:
-    handoffs, fences, solo = _handoffs(address, rounds, jobs, hold_s)
-    raw_handoffs, _, raw_solo = _handoffs(address, rounds, jobs, hold_s, raw=True)
+def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float, gap_s: float) -> dict[str, Any]:
+    handoffs, fences, solo = _handoffs(address, rounds, jobs, hold_s, gap_s)
+    raw_handoffs, _, raw_solo = _handoffs(address, rounds, jobs, hold_s, gap_s, raw=True)
     with _noop_server() as noop:
-        noop_handoffs, _, noop_solo = _handoffs(noop, rounds, jobs, hold_s)
-        raw_noop_handoffs, _, raw_noop_solo = _handoffs(noop, rounds, jobs, hold_s, raw=True)
+        noop_handoffs, _, noop_solo = _handoffs(noop, rounds, jobs, hold_s, gap_s)
+        raw_noop_handoffs, _, raw_noop_solo = _handoffs(noop, rounds, jobs, hold_s, gap_s, raw=True)
     floor = loopback_rtt(min(rounds, 5000))
     p50 = percentile(handoffs, 0.5) or 0.0
     figures = {
         "jobs": jobs,
         "hold_ms": hold_s * 1000,
+        "gap_ms": gap_s * 1000,
         "rounds": len(fences),
         "handoffs": len(handoffs),
         "handoff_p50_ms": p50,
@@ -366,7 +381,7 @@ def _measure_handoff(address: str, rounds: int, jobs: int, hold_s: float) -> dic
 
 
 def _handoffs(
-    address: str, rounds: int, jobs: int, hold_s: float, *, raw: bool = False
+    address: str, rounds: int, jobs: int, hold_s: float, gap_s: float, *, raw: bool = False
 ) -> tuple[list[float], list[int], dict[str, Any]]:
     """The jobs' handoffs (ms) through the lock at ``address``, every grant's fence in order, and the solo figures.
 
@@ -374,7 +389,7 @@ def _handoffs(
     """
     kind = "raw-" if raw else ""
     per_job = max(1, rounds // jobs)
-    procs = [_run_worker(f"{kind}handoff", address, f"job-{i}", jobs, per_job, hold_s) for i in range(jobs)]
+    procs = [_run_worker(f"{kind}handoff", address, f"job-{i}", jobs, per_job, hold_s, gap_s) for i in range(jobs)]
     records = [_result(p) for p in procs]
     solo = _result(_run_worker(f"{kind}uncontended", address, rounds, hold_s))
     slices = sorted((acq, rel, fence, r["job"]) for r in records for acq, rel, fence in r["slices"])
@@ -411,7 +426,8 @@ def format_handoff(r: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"handoff between {r['jobs']} jobs over {r['rounds']} slices ({r['handoffs']} handoffs)"
-            + (f" on a follower of a {r['nodes']}-daemon cluster" if r["nodes"] > 1 else ""),
+            + (f" on a follower of a {r['nodes']}-daemon cluster" if r["nodes"] > 1 else "")
+            + (f", each job {r['gap_ms']:g} ms off the lock between slices" if r["gap_ms"] else ""),
             f"  release -> next acquire returns   p50 {r['handoff_p50_ms']:.3f} ms   "
             f"p99 {r['handoff_p99_ms']:.3f} ms   max {r['handoff_max_ms']:.3f} ms",
             f"  uncontended acquire+release       {r['acquire_release_per_s']:.0f} /s",
