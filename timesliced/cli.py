@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -472,6 +473,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         config.node = args.node
     if config.gpus < 1:
         raise SystemExit("timesliced: --gpus must be at least 1")
+    if not (math.isfinite(args.dns_wait) and args.dns_wait >= 0):
+        raise SystemExit("timesliced: --dns-wait must be 0 or more seconds")
     if args.peers is not None or args.slurm or args.dns is not None:
         try:
             config.cluster, config.node = cluster_from_args(args, config.token)
@@ -487,8 +490,6 @@ def cluster_from_args(args: argparse.Namespace, token: str | None) -> tuple[Clus
     """The cluster this daemon is a member of, and its node id; raises ``ValueError``."""
     if token is None:
         raise ValueError(f"a cluster needs a shared token: give --token-file PATH or set ${TOKEN_ENV}")
-    if args.dns_wait < 0:
-        raise ValueError("--dns-wait must be 0 or more seconds")
 
     def attempt() -> tuple[tuple[Member, ...], Member]:
         return resolve_cluster(

@@ -361,6 +361,20 @@ def test_an_unknown_node_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     )
 
 
+def test_only_a_holder_of_the_token_hears_the_members() -> None:
+    """The membership check comes after the token's: a stranger on the peer port learns nothing of the cluster."""
+
+    async def body(net: Net) -> None:
+        b = net.node("b", ["a"])
+        await net.start(b)
+        _, _, stranger = await dial(net, net.address("b"), "intruder", "b", token=OTHER_TOKEN)
+        assert stranger == {"t": "refused", "reason": "authentication failed (is the token the same on both nodes?)"}
+        _, _, member = await dial(net, net.address("b"), "intruder", "b")
+        assert member["t"] == "refused" and "not a member here (members: a, b)" in member["reason"]
+
+    run(body)
+
+
 def test_dialing_an_address_where_another_node_answers_is_refused() -> None:
     async def body(net: Net) -> None:
         c = net.node("c", ["a"])

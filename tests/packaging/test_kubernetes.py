@@ -418,6 +418,57 @@ def test_cluster_mode_and_only_it_runs_on_the_nodes_network(rendered: dict[str, 
         assert str(args.config) == CONFIG_PATH and args.node == "$(NODE_NAME)", name
 
 
+def test_a_cluster_daemon_may_wait_for_its_address_before_the_kubelet_gives_up(rendered: dict[str, list[Obj]]) -> None:
+    """The probes answer only once the daemon found itself among the service's addresses (``--dns-wait``)."""
+    wait = serve_parser().get_default("dns_wait")
+    for name in ("overlays/minimal", "overlays/cluster"):
+        probe = container(rendered[name])["startupProbe"]
+        budget = probe["periodSeconds"] * probe["failureThreshold"]
+        if name == "overlays/cluster":
+            assert budget >= wait + 30, f"{name}: the start is given {budget}s, the wait for DNS {wait}s"
+        else:
+            assert budget == 60, name  # the base's: a daemon alone waits for nothing
+
+
+def test_a_component_never_gives_its_flags_to_another_container(tmp_path: Path) -> None:
+    """A sidecar patched in first would take ``--dns`` (the daemon then silently alone): the build fails instead.
+
+    Where a component's own merge patch puts the daemon first again, the flags reach it, and only it.
+    """
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(KUBE, tree, ignore=shutil.ignore_patterns("token"))
+    overlay, sidecar = tree / "overlays" / "sidecar", tree / "components" / "sidecar"
+    overlay.mkdir()
+    sidecar.mkdir()
+    (sidecar / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1alpha1\nkind: Component\npatches:\n  - path: sidecar.yaml\n"
+    )
+    (sidecar / "sidecar.yaml").write_text(
+        "apiVersion: apps/v1\nkind: DaemonSet\nmetadata:\n  name: timesliced\n  namespace: timesliced\n"
+        "spec:\n  template:\n    spec:\n      containers:\n        - name: exporter\n          image: busybox\n"
+        "          args: [sleep, inf]\n"
+    )
+    for component in COMPONENTS:
+        (overlay / "kustomization.yaml").write_text(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - ../../base\n"
+            f"components:\n  - ../../components/sidecar\n  - ../../components/{component}\n"
+        )
+        done = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+        flag = {"cluster": "--dns", "cuda-checkpoint": "--backend"}[component]
+        if done.returncode != 0:
+            assert "testing value /spec/template/spec/containers/0/name failed" in done.stderr, done.stderr
+            continue
+        objects = [doc for doc in yaml.safe_load_all(done.stdout) if doc is not None]
+        containers = {c["name"]: c.get("args", []) for c in pod_spec(objects)["containers"]}
+        assert flag in containers["timesliced"] and flag not in containers["exporter"], (component, containers)
+    # Whether the daemon is first again by then is the merge patches' doing; the guard is for when it is not.
+    for component in COMPONENTS:
+        patches = yaml.safe_load((KUBE / "components" / component / "kustomization.yaml").read_text())["patches"]
+        (inline,) = [yaml.safe_load(p["patch"]) for p in patches if "patch" in p]
+        assert inline[0] == {"op": "test", "path": "/spec/template/spec/containers/0/name", "value": "timesliced"}
+        assert {op["path"] for op in inline[1:]} == {"/spec/template/spec/containers/0/args/-"}, component
+
+
 def test_the_shipped_config_does_not_make_a_cluster_on_pod_addresses() -> None:
     assert "dns" not in shipped_config()
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from timesliced.bench import copy
 from timesliced.bench.copy import describe_link, format_copy, measure_ceiling, run_copy
 
 
@@ -63,7 +64,14 @@ def test_the_ceiling_holds_one_runs_pages_at_a_time_however_many_runs(
             live.discard(id(self))
             super().close()
 
+    real_fresh = copy._fresh_file
+
+    def fresh(folder: Path, name: str, size: int) -> int:
+        assert not live, "a file made while the last run's pages are still mapped"
+        return real_fresh(folder, name, size)
+
     monkeypatch.setattr(mmap, "mmap", Counted)  # what the bench module calls
+    monkeypatch.setattr(copy, "_fresh_file", fresh)
     figures = measure_ceiling(tmp_path, mib=1, reps=5)
     assert figures["fresh_mmap_gbps"] > 0 and figures["prefaulted_gbps"] > 0
     assert most == 1 and not live

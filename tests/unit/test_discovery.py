@@ -461,12 +461,14 @@ def test_settle_tries_again_until_this_node_is_listed() -> None:
     )
     assert me.id == "10.0.0.1" and [m.id for m in members] == ["10.0.0.1", "10.0.0.2"]
     assert clock.slept == [2.0, 2.0] and answers == []
-    assert "resolved to no addresses" in retried[0] and "none of 10.0.0.2 matches" in retried[1]
+    assert "resolved to no addresses" in retried[0] and "none of 10.0.0.2 matches; the service 'svc'" in retried[1]
 
 
 def test_settle_gives_up_after_its_patience_saying_so() -> None:
     clock = _Clock()
-    with pytest.raises(NotListedYet, match=r"resolved to no addresses \(still so after waiting 5s: see --dns-wait\)"):
+    with pytest.raises(
+        NotListedYet, match=r"resolved to no addresses; check .* \(still so after waiting 5s: see --dns-wait\)"
+    ):
         settle(lambda: _resolve(dns="svc", resolve=lambda _: []), 5, sleep=clock.sleep, clock=lambda: clock.now)
     assert clock.slept == [2.0, 2.0, 1.0]
 
@@ -475,7 +477,7 @@ def test_settle_does_not_wait_on_a_mistake_or_without_patience() -> None:
     clock = _Clock()
     with pytest.raises(ValueError, match="bad service name"):
         settle(lambda: _resolve(dns="bad name"), 60, sleep=clock.sleep, clock=lambda: clock.now)
-    with pytest.raises(NotListedYet, match=r"resolved to no addresses$"):
+    with pytest.raises(NotListedYet, match=r"selects the daemon pods \(ready or not\)$"):
         settle(lambda: _resolve(dns="svc", resolve=lambda _: []), 0, sleep=clock.sleep, clock=lambda: clock.now)
     assert clock.slept == []
 
@@ -503,8 +505,27 @@ def test_serve_waits_for_its_own_address_under_dns(monkeypatch: pytest.MonkeyPat
     )
     assert answers == []
     answers[:] = [["10.0.0.2"]] * 10
-    with pytest.raises(SystemExit, match=r"none of 10.0.0.2 matches; pass --node-id \(still so after waiting 0.2s"):
+    with pytest.raises(SystemExit, match=r"none of 10.0.0.2 matches; the service 'svc' lists no address of this node"):
         cli.config_from_args(cli.build_parser().parse_args(argv))
+    for wait in ("nan", "-1"):
+        with pytest.raises(SystemExit, match="--dns-wait must be 0 or more seconds"):
+            cli.config_from_args(cli.build_parser().parse_args([*argv[:3], "--dns-wait", wait]))
+
+
+def test_serve_waits_only_under_dns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--peers`` and ``--slurm`` lists do not change by waiting: a node missing from them fails at once."""
+    from timesliced import cli
+
+    def no_sleep(seconds: float) -> None:
+        raise AssertionError("waited")
+
+    monkeypatch.setattr(discovery.time, "sleep", no_sleep)
+    monkeypatch.setattr(cli, "local_addresses", lambda: {"10.0.0.1"})
+    monkeypatch.setenv("TIMESLICED_TOKEN", "a-shared-token-of-some-length")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-02]")
+    for source in (["--peers", "gpu01,gpu02"], ["--slurm"]):
+        with pytest.raises(SystemExit, match=r"none of gpu01, gpu02 matches; pass --node-id$"):
+            cli.config_from_args(cli.build_parser().parse_args(["serve", *source, "--dns-wait", "600"]))
 
 
 # --- local_addresses ---------------------------------------------------------------------------

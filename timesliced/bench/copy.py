@@ -113,15 +113,13 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
     out: dict[str, float] = {}
     out["warm_gbps"] = _best(reps, n, _copier(dst, src, n))
     out["warm_chunked_gbps"] = _best(reps, n, _copier(dst, src, COPY_CHUNK))
-    maps: list[mmap.mmap] = []  # the mapping of the run being timed: a run's file is gone once the next starts
+    # The mapping of the run being timed. Each run's set-up unmaps the one before first: that run's file
+    # is unlinked by then, so its mapping is all that holds its pages, and kept they would add up to
+    # ``reps`` times ``mib`` of tmpfs.
+    maps: list[mmap.mmap] = []
 
     def copy_into(fd: int, flags: int = mmap.MAP_SHARED) -> Callable[[], None]:
-        """A copy of the source into ``fd``'s pages through a shared mapping (closes ``fd``).
-
-        The previous run's mapping is closed first: its file is unlinked already, so the mapping is all
-        that holds its pages, and ``reps`` runs of them would hold ``reps`` times ``mib`` of tmpfs.
-        """
-        _unmap(maps)
+        """A copy of the source into ``fd``'s pages through a shared mapping (closes ``fd``)."""
         m = mmap.mmap(fd, n, flags=flags)
         os.close(fd)
         maps.append(m)
@@ -133,11 +131,13 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
         return go
 
     def fresh_mmap() -> Callable[[], None]:
+        _unmap(maps)
         return copy_into(_fresh_file(folder, "fresh", n))
 
     out["fresh_mmap_gbps"] = _best(reps, n, fresh_mmap)
 
     def fresh_write() -> Callable[[], None]:
+        _unmap(maps)
         fd = _fresh_file(folder, "fresh", 0)
 
         def go() -> None:
@@ -151,6 +151,7 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
     out["fresh_write_gbps"] = _best(reps, n, fresh_write)
 
     def prefaulted() -> Callable[[], None]:
+        _unmap(maps)
         fd = _fresh_file(folder, "fresh", 0)
         os.posix_fallocate(fd, 0, n)
         return copy_into(fd, mmap.MAP_SHARED | _POPULATE)

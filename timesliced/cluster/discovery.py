@@ -347,10 +347,10 @@ def peers_from_dns(service: str, port: int = DEFAULT_PEER_PORT, resolve: Resolve
     try:
         addresses = (resolve or getaddrinfo_resolver)(name)
     except (OSError, UnicodeError) as e:
-        raise NotListedYet(f"--dns {service!r}: cannot resolve {name!r}: {e}") from None
+        raise NotListedYet(f"--dns {service!r}: cannot resolve {name!r}: {e}; {_CHECK_SERVICE}") from None
     canonical = sorted({_canonical_host(address) for address in addresses})
     if not canonical:
-        raise NotListedYet(f"--dns {service!r}: {name!r} resolved to no addresses")
+        raise NotListedYet(f"--dns {service!r}: {name!r} resolved to no addresses; {_CHECK_SERVICE}")
     members = []
     for address in canonical:
         problem = id_problem(address)
@@ -360,29 +360,40 @@ def peers_from_dns(service: str, port: int = DEFAULT_PEER_PORT, resolve: Resolve
     return _unique_sorted(members, [f"address {a!r}" for a in canonical], f"--dns {service!r}")
 
 
-def find_self(members: tuple[Member, ...], node_id: str | None, *, hostname: str, addresses: Iterable[str]) -> Member:
+_CHECK_SERVICE = "check the name, and that the headless service selects the daemon pods (ready or not)"
+
+
+def find_self(
+    members: tuple[Member, ...],
+    node_id: str | None,
+    *,
+    hostname: str,
+    addresses: Iterable[str],
+    unlisted: str = "pass --node-id",
+) -> Member:
     """The member that is this node.
 
     With ``node_id``, the member of that id. Otherwise the one member whose id
     or host equals ``hostname`` or its short form (before the first dot; case
     does not matter), or whose host is one of ``addresses`` (this machine's IPs).
 
-    Raises ``ValueError`` when ``node_id`` is not a member id (listing the
-    ids), or when no member or more than one matches (asking for ``--node-id``).
+    Raises ``NotListedYet`` when ``node_id`` is not a member id (listing the
+    ids) or no member matches (ending with ``unlisted``: what to do), and
+    ``ValueError`` when more than one matches (asking for ``--node-id``).
     """
     ids = ", ".join(m.id for m in members)
     if node_id is not None:
         for member in members:
             if member.id == node_id:
                 return member
-        raise ValueError(f"--node-id {node_id!r} is not a cluster member; members are: {ids}")
+        raise NotListedYet(f"--node-id {node_id!r} is not a cluster member; members are: {ids}")
     names = {hostname.lower(), hostname.partition(".")[0].lower()} - {""}
     ips = {_canonical_host(a) for a in addresses}
     matches = [m for m in members if m.id.lower() in names or m.host.lower() in names or m.host in ips]
     seen_as = f"hostname {hostname!r}, addresses {', '.join(sorted(ips)) or 'none'}"
     if not matches:
         raise NotListedYet(
-            f"cannot tell which cluster member this node is ({seen_as}); none of {ids} matches; pass --node-id"
+            f"cannot tell which cluster member this node is ({seen_as}); none of {ids} matches; {unlisted}"
         )
     if len(matches) > 1:
         both = ", ".join(m.id for m in matches)
@@ -418,6 +429,11 @@ def resolve_cluster(
         members = parse_peers(peers, port)
     elif dns is not None:
         members = peers_from_dns(dns, port, resolve)
+        unlisted = (
+            f"the service {dns!r} lists no address of this node: check that it selects the daemon pods and that "
+            "they run on their nodes' network (the cluster component), whose address is the pod's POD_IP"
+        )
+        return members, find_self(members, node_id, hostname=hostname, addresses=addresses, unlisted=unlisted)
     else:
         members = peers_from_slurm(environ, port)
     return members, find_self(members, node_id, hostname=hostname, addresses=addresses)
@@ -429,14 +445,15 @@ def settle(
     *,
     interval: float = 2.0,
     on_retry: Callable[[NotListedYet], None] = lambda _: None,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> _T:
     """``attempt()``, tried again every ``interval`` seconds while it raises ``NotListedYet``, for ``patience``.
 
     Raises the last ``NotListedYet`` once ``patience`` is spent, with how long it waited; any other
     ``ValueError`` at once (a typo does not get better by waiting).
     """
+    sleep, clock = sleep or time.sleep, clock or time.monotonic  # looked up here: a test may replace them
     deadline = clock() + patience
     while True:
         try:

@@ -359,13 +359,8 @@ class PeerTransport:
         if version != PEER_PROTOCOL:
             return f"protocol {_shown(version)} is not supported (this node speaks {PEER_PROTOCOL})"
         node = message.get("node")
-        if not isinstance(node, str) or node not in self._links:
-            members = sorted([*self._links, self.node_id])
-            shown = ", ".join(members[:8]) + (f" and {len(members) - 8} more" if len(members) > 8 else "")
-            return (
-                f"node {_shown(node)} is not a member here (members: {shown}); start every daemon with the same "
-                "members (with --dns a member's id is its address: keep it across restarts, as on the host network)"
-            )
+        if not isinstance(node, str):
+            return f"the hello names no node ({_shown(node)})"
         to = message.get("to")
         if to != self.node_id:
             return f"this is node {self.node_id!r}, not {_shown(to)}"
@@ -377,6 +372,13 @@ class PeerTransport:
             self._token, Purpose.PEER_HELLO, nonce, mac, node, self.node_id
         ):
             return "authentication failed (is the token the same on both nodes?)"
+        if node not in self._links:  # only a holder of the token hears the members
+            members = sorted([*self._links, self.node_id])
+            shown = ", ".join(members[:8]) + (f" and {len(members) - 8} more" if len(members) > 8 else "")
+            return (
+                f"node {_shown(node)} is not a member here (members: {shown}); start every daemon with the same "
+                "members (with --dns a member's id is its address: keep it across restarts, as on the host network)"
+            )
         return None
 
     def _accepted(self, inbound: _Inbound, peer: str) -> None:
