@@ -436,3 +436,128 @@ def test_a_park_write_that_fails_once_after_a_hand_over_is_written_again(
     assert isinstance(result.park, MoveResult) and b.verify("a") == "parked"
     assert isinstance(result.restore, errors.RestoreRefused) and b.verify("b") == "parked"  # stopped, whole
     assert each_comes_back(b, jobs) is None
+
+
+class WriteFaults:
+    """Fails the writes of parked copies (``_ParkFile.write``) with EIO: the ``at``-th (1: the first) and the
+    ``times - 1`` after it (``times`` None: every one from then on).
+
+    ``seen`` counts the writes, failed or not; ``clear()`` lets them land again.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, at: int, times: int | None) -> None:
+        self.seen = self.failed = 0
+        self.cleared = False
+        write = sim._ParkFile.write
+
+        def at_write(f: sim._ParkFile, src: memoryview, address: int, pos: int) -> None:
+            self.seen += 1
+            if not self.cleared and self.seen >= at and (times is None or self.failed < times):
+                self.failed += 1
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            write(f, src, address, pos)
+
+        monkeypatch.setattr(sim._ParkFile, "write", at_write)
+
+    def clear(self) -> None:
+        self.cleared = True
+
+
+def small_in(sims: Sims) -> tuple[SimBackend, dict[str, list[tuple[RegionInfo, bytes]]]]:
+    """Job "a" (21 pages of gpu 0, resident) and "b" (3 pages there and 2 on gpu 1, parked), which free pages
+    take: a swap of "a" out for "b" in restores "b" whole in its first two steps, "a"'s park going on.
+    """
+    b = sims.backend()
+    jobs: dict[str, list[tuple[RegionInfo, bytes]]] = {"a": [], "b": []}
+    for gpu, nbytes in ((0, 3 * PAGE - 5), (1, 2 * PAGE)):
+        info = b.alloc("b", gpu, nbytes)
+        jobs["b"].append((info, fill(sims, info, info.region)))
+    asyncio.run(b.snapshot("b"))
+    for nbytes in (12 * PAGE + 7, 8 * PAGE):
+        info = b.alloc("a", 0, nbytes)
+        jobs["a"].append((info, fill(sims, info, 100 + info.region)))
+    return b, jobs
+
+
+def listed(b: SimBackend, job: str) -> tuple[int, int]:
+    """The state the job's control file says, and how many device pages it lists."""
+    _, slot, _ = layout.read_ctl(b.root / "jobs" / f"{job_key(job)}.ctl")
+    return slot.state, sum(n for r in slot.regions for _, n in r.extents)
+
+
+def park_left_unfinished(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, *, times: int | None
+) -> tuple[SimBackend, dict[str, list[tuple[RegionInfo, bytes]]], WriteFaults, int]:
+    """A swap of "a" out for "b" in whose park's third write fails (two chunks handed over), and so does its
+    completion; checks that "a" is parked, not faulted, holding the pages its control file lists, and "b"
+    restored whole. Returns the backend, the jobs, the faults and the pages "a" holds.
+    """
+    b, jobs = small_in(sims)
+    faults = WriteFaults(monkeypatch, at=3, times=times)
+    result = asyncio.run(b.swap("a", "b"))
+    assert faults.failed == 2  # the chunk, and the completion's try at it
+    assert isinstance(result.park, MoveResult), result.park  # parked, as the scheduler must hear it
+    assert result.park.nbytes == 20 * PAGE + 7  # what the parked files take on the host
+    assert isinstance(result.restore, MoveResult) and b.job_state("b") == "resident" and holds(jobs["b"])
+    assert b.job_state("a") == b.verify("a") == "parked"
+    state, held = listed(b, "a")
+    assert state == layout.PARKING and held == 21 - 6  # two chunks' 6 pages handed over; start-up finishes it
+    assert b.free_bytes(0) == (32 - 3 - held) * PAGE and b.free_bytes(1) == 30 * PAGE
+    assert listed_pages_stay_theirs(b) is None
+    return b, jobs, faults, held
+
+
+def test_a_park_whose_completion_fails_after_a_hand_over_is_completed_at_the_next_restore(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A park write fails (EIO) after pages were handed over, and so does its completion: the job used to be
+    faulted, its bytes whole (the host files and the pages its control file lists). It is parked; its next
+    restore completes the parked copy first, with the fault gone, and brings every byte back.
+    """
+    b, jobs, _, _ = park_left_unfinished(sims, monkeypatch, times=2)
+    asyncio.run(b.restore("a"))
+    assert b.job_state("a") == "resident" and holds(jobs["a"]) and holds(jobs["b"])
+    assert listed(b, "a") == (layout.RESIDENT, 21) and b.free_bytes(0) == (32 - 3 - 21) * PAGE
+    assert listed_pages_stay_theirs(b) is None
+    assert each_comes_back(b, jobs) is None
+
+
+def test_a_park_left_unfinished_is_refused_its_restore_while_its_writes_fail(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writes fail from then on: the restore, which must complete the parked copy first, is refused with the
+    job parked, whole, still holding its pages; once writes land, the restore brings every byte back."""
+    b, jobs, faults, held = park_left_unfinished(sims, monkeypatch, times=None)
+    for _ in range(2):
+        with pytest.raises(errors.RestoreRefused, match="stays parked, whole") as refused:
+            asyncio.run(b.restore("a"))
+        assert errors.state_intact(refused.value)
+        assert b.job_state("a") == b.verify("a") == "parked" and listed(b, "a") == (layout.PARKING, held)
+        assert b.free_bytes(0) == (32 - 3 - held) * PAGE and listed_pages_stay_theirs(b) is None
+    with pytest.raises(errors.BackendError, match="restore it"):  # a free would commit the unfinished park
+        b.free("a", jobs["a"][0][0].region)
+
+    faults.clear()
+    result = asyncio.run(b.swap("b", "a"))  # a streamed restore cannot complete it: the halves go in turn
+    assert isinstance(result.park, MoveResult) and isinstance(result.restore, MoveResult)
+    assert holds(jobs["a"]) and b.free_bytes(0) == (32 - 21) * PAGE and b.free_bytes(1) == 32 * PAGE
+    assert listed_pages_stay_theirs(b) is None
+    assert each_comes_back(b, jobs) is None
+
+
+def test_a_daemon_started_on_a_park_left_unfinished_finishes_it(sims: Sims, monkeypatch: pytest.MonkeyPatch) -> None:
+    b, jobs, faults, _ = park_left_unfinished(sims, monkeypatch, times=None)
+    b.close()  # as a daemon stops: its files stay as the faults left them
+    faults.clear()
+    adopted = sims.backend()
+    assert adopted.recovered_jobs()["a"][0] == "parked" and listed(adopted, "a") == (layout.PARKED, 0)
+    assert adopted.free_bytes(0) == (32 - 3) * PAGE  # the pages it held are free: the park is complete
+    asyncio.run(adopted.restore("a"))
+    assert holds(jobs["a"]) and holds(jobs["b"]) and listed_pages_stay_theirs(adopted) is None
+
+
+def test_a_reclaimed_park_left_unfinished_frees_the_pages_it_held(sims: Sims, monkeypatch: pytest.MonkeyPatch) -> None:
+    b, jobs, _, _ = park_left_unfinished(sims, monkeypatch, times=None)
+    asyncio.run(b.reclaim("a"))
+    assert b.job_state("a") == "unknown" and b.free_bytes(0) == (32 - 3) * PAGE and holds(jobs["b"])
+    assert listed_pages_stay_theirs(b) is None and not (b.root / "parked" / job_key("a")).exists()

@@ -158,10 +158,16 @@ class _Job:
     # 10 us of its 170 at 6 GB/s. Reclaim removes it.
     has_folder: bool = False
     # Pages its committed control file still lists that the job let go of: a swap's park whose last
-    # commits failed (``_Swap._park_holding``), or a fault whose record did not land. Start-up finishes
-    # such a park from the pages the file lists (``_finish_handed_park``), so they stay out of the
-    # allocator, holding the job's bytes, until a commit of the job lands (``_update``) or it is reclaimed.
+    # commits failed (``_Swap._park_holding``) or whose writes did (``_Swap._hold_unfinished``).
+    # Start-up finishes such a park from the pages the file lists (``_finish_handed_park``), so they
+    # stay out of the allocator, holding the job's bytes, until a commit of the job lands (``_update``)
+    # or it is reclaimed.
     held: list[RegionRecord] = dataclasses.field(default_factory=list)
+    # The held pages hold bytes the parked files lack: a swap's park whose writes failed after it handed
+    # pages over (``_Swap._hold_unfinished``). The job is parked, whole, but no commit of it may land
+    # before those bytes are on the host (the file says ``PARKING`` and lists the pages): its next
+    # restore completes the copy first (``_complete_park``), and nothing else writes the file meanwhile.
+    unfinished: bool = False
 
     def parked_path(self, region: int) -> str:
         """Where region ``region``'s parked copy is (a string: a move opens it without building ``Path`` objects)."""
@@ -500,6 +506,11 @@ class SimBackend:
                 raise errors.UnknownRegion(f"job {job!r} has no region {region}", job=job, region=region)
             if j.move is not None:
                 raise errors.BackendError(f"job {job!r} is being moved; free region {region} after the move")
+            if j.unfinished:  # its commit would say the park is whole, the bytes in the held pages lost
+                raise errors.BackendError(
+                    f"job {job!r} is parked with part of its parked copy still in device memory; restore it "
+                    f"(which completes the copy), then free region {region}"
+                )
             self._update(j, regions={k: v for k, v in j.regions.items() if k != region})
             self._release_pages(record)
             self._unmap_parked(job, region)
@@ -621,7 +632,8 @@ class SimBackend:
         device pages the rest; start-up completes the park), and the incoming job parked (its
         parked files are only read) or resident (committed). Jobs not in the states a swap needs
         (``out`` resident, ``in_`` parked) are moved one after the other as a lone snapshot and
-        restore would move them.
+        restore would move them, as is ``in_`` when its own park was left unfinished (``_Job.unfinished``):
+        only its lone restore completes that.
 
         Raises ``ValueError`` for one job swapped with itself, ``RestoreRefused`` when the incoming
         job would not fit even in the room the outgoing one frees, and ``ParkRefused`` or
@@ -635,7 +647,10 @@ class SimBackend:
             with self._lock:
                 a, b = self._jobs.get(a_name), self._jobs.get(b_name)
                 busy = next((j.move for j in (a, b) if j is not None and j.move is not None), None)
-                streamable = a is not None and b is not None and a.state == RESIDENT and b.state == PARKED
+                # A parked copy left unfinished is completed by a lone restore (``_complete_park``) only.
+                streamable = (
+                    a is not None and b is not None and a.state == RESIDENT and b.state == PARKED and not b.unfinished
+                )
                 if busy is None and a is not None and b is not None and streamable:
                     a.move, b.move = claims = (_Move(), _Move())
                     break
@@ -717,6 +732,9 @@ class SimBackend:
                 if j.state == RESIDENT:
                     return MoveResult(0, 0.0)
                 self._raise_if_faulted(j)
+            if j.unfinished:
+                self._complete_park(j)  # raises RestoreRefused: the job stays parked, whole, its pages held
+            with self._lock:
                 try:
                     placed = self._take_pages(j)
                 except errors.OutOfMemory as exc:  # nothing was touched: the parked copy is whole
@@ -1007,6 +1025,31 @@ class SimBackend:
                 f"that the file system of {self.root} takes writes (its free space, its health), then restore again"
             ) from exc
 
+    def _complete_park(self, j: _Job) -> None:
+        """Complete the park a swap left unfinished (``_Job.unfinished``) and commit it, before the job's restore.
+
+        The copy start-up makes of such a park (``_write_listed``), from the pages the job holds; the
+        commit (``PARKED``, no page listed) that lands gives them back. Raises ``RestoreRefused`` when a
+        write or the commit fails: the pages were only read, so the job stays parked, whole, holding them.
+        """
+        try:
+            self._write_listed(j, j.held)
+            with self._lock:
+                self._update(j, state=PARKED, epoch=j.epoch + 1)
+                j.unfinished = False
+        except (OSError, errors.BackendError) as exc:
+            exc = exc.with_traceback(None)  # the copy's frames hold slices of the arena
+            with self._lock:
+                nbytes = sum(n for r in j.held for _, n in r.extents) * self.page_size
+            raise errors.RestoreRefused(
+                f"restore of job {j.name!r} was not started: the rest of its parked copy, {human_size(nbytes)} in "
+                f"the device memory it holds, could not be written to {j.folder} ({exc}); the job stays parked, "
+                f"whole. Check the health and free space of the file system of {self.root} ({self._space()}), "
+                "then restore again",
+                job=j.name,
+            ) from exc
+        log.info("job %r: the parked copy its swap left unfinished is complete", j.name)
+
     def _info(self, job: str, r: RegionRecord) -> RegionInfo:
         return RegionInfo(
             r.region,
@@ -1253,39 +1296,58 @@ class SimBackend:
     def _finish_handed_park(self, j: _Job, fresh: list[bool]) -> int:
         """Complete the park of a job a swap was moving out when the daemon died; PARKED, or FAULTED.
 
-        Its control file lists, per region, only the pages not yet handed over: the region's last
-        pages, holding its bytes from ``handed * page_size`` on. Everything before is in the host
-        file ``<region>.bin`` already, written before the pages were handed over (a region with no
-        page listed was written whole). So the host file plus the listed pages are the whole
-        region: copy those pages into the file. A region none of whose pages were handed over is
-        copied whole from the device, whatever its file holds.
+        Its control file lists, per region, only the pages not yet handed over; the rest is in the
+        region's host file already (``_write_listed``, which copies those pages there). A region with
+        no page listed was written whole. A job whose listed pages are gone (a new arena) or whose
+        handed-over part has no host file is faulted.
         """
-        try:
-            for r in j.regions.values():
-                final = Path(j.parked_path(r.region))
-                pages = self.rounded(r.nbytes) // self.page_size
-                left = sum(n for _, n in r.extents)
+        listed: list[RegionRecord] = []
+        for r in j.regions.values():
+            final = Path(j.parked_path(r.region))
+            pages = self.rounded(r.nbytes) // self.page_size
+            left = sum(n for _, n in r.extents)
+            try:
                 if not left:  # handed over whole: only once its last byte was on the host
                     if final.is_file() and final.stat().st_size == r.nbytes:
                         continue
                     return FAULTED
                 if r.gpu >= self.gpus or fresh[r.gpu] or (left < pages and not final.is_file()):
                     return FAULTED  # a handed-over prefix with no host copy, or device pages that are gone
-                j.folder.mkdir(mode=0o700, exist_ok=True)
-                fd = os.open(final, os.O_WRONLY | os.O_CREAT, 0o600)
-                try:
-                    os.ftruncate(fd, r.nbytes)
-                    pos = (pages - left) * self.page_size
-                    for page, count in r.extents:
-                        at = page * self.page_size
-                        n = min(count * self.page_size, r.nbytes - pos)
-                        _pwrite_all(fd, self._views[r.gpu][at : at + n], pos)
-                        pos += n
-                finally:
-                    os.close(fd)
+            except OSError:
+                return FAULTED
+            listed.append(r)
+        try:
+            self._write_listed(j, listed)
         except OSError:
             return FAULTED
         return PARKED
+
+    def _write_listed(self, j: _Job, records: Iterable[RegionRecord]) -> None:
+        """Complete a park that handed pages over: copy the device pages each region still lists into its host file.
+
+        A region's listed pages are its last ones, holding its bytes from ``handed * page_size`` on;
+        everything before is in the host file ``<region>.bin`` already, written before those pages
+        were handed over. So the host file plus the listed pages are the whole region. A region none
+        of whose pages were handed over is copied whole, whatever its file holds. Start-up finishes a
+        killed daemon's park so (``_finish_handed_park``), a restore the park a swap left unfinished
+        (``_complete_park``). Raises ``OSError`` when a file cannot be written; the pages are only read.
+        """
+        j.folder.mkdir(mode=0o700, exist_ok=True)
+        for r in records:
+            pos = (self.rounded(r.nbytes) // self.page_size - sum(n for _, n in r.extents)) * self.page_size
+            path = j.parked_path(r.region)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            f = _ParkFile(path, None, fd)  # the park's own writer: one copy, and one seam for tests
+            try:
+                os.ftruncate(fd, r.nbytes)
+                base = self._addresses[r.gpu]
+                for page, count in r.extents:
+                    at = page * self.page_size
+                    n = min(count * self.page_size, r.nbytes - pos)
+                    f.write(self._views[r.gpu][at : at + n], base + at, pos)
+                    pos += n
+            finally:
+                f.close()
 
     def _clean_parked(self) -> None:
         """Remove host copies nobody owns: partial files, and leftovers of finished moves."""
@@ -1632,7 +1694,10 @@ class _Swap:
             sim._update(a, strict=False, state=RESIDENT, epoch=a.epoch + 1)
 
     def _fail_a(self, exc: BaseException) -> None:
-        """The park stopped: roll it back if no page was handed over, else finish it without pacing."""
+        """The park stopped: roll it back if no page was handed over, else finish it without pacing.
+
+        A park that cannot be finished either is parked all the same, its bytes whole (``_hold_unfinished``).
+        """
         sim, a = self.sim, self.a
         if not any(self.a_handed.values()):
             self._roll_back_a()
@@ -1646,14 +1711,37 @@ class _Swap:
                 self._step_a()
             self.a_result = MoveResult(self.a_moved, time.perf_counter() - self.start)
         except Exception as err:
-            with sim._lock:
-                a.held.extend(v for v in a.regions.values() if v.extents)  # given back once the fault's write lands
-                gone = {k: dataclasses.replace(v, extents=()) for k, v in a.regions.items()}
-                sim._update(a, strict=False, state=FAULTED, epoch=a.epoch + 1, regions=gone)
-            self.a_result = errors.BackendError(
-                f"swap of job {a.name!r} out failed after part of it was handed over to {self.b.name!r}: {err}; its "
-                "parked copy could not be completed, so the job is faulted. End the job and start it again"
-            )
+            self._hold_unfinished(err.with_traceback(None))  # the copy's frames hold slices of the arena
+            nbytes = sum(r.nbytes for r in self.a_records)  # what its parked files take on the host
+            self.a_result = MoveResult(nbytes, time.perf_counter() - self.start)
+
+    def _hold_unfinished(self, exc: Exception) -> None:
+        """The park's completion failed too, after a hand-over: park the job all the same, holding its last pages.
+
+        Its bytes are whole: each region's handed-over part in its host file, the rest in the device
+        pages its control file (``PARKING``) still lists, which is what start-up finishes as a park
+        (``_finish_handed_park``). So the park half succeeds: the scheduler must hear that the job is
+        parked (a failed park says it is resident, or faulted), and the warning says why it is not
+        complete. Nothing is committed: the file says what is so. Its listed pages stay the job's
+        (``_Job.held``), neither free nor a restore's, and no commit of the job lands before its next
+        restore has completed the copy from them (``SimBackend._complete_park``).
+        """
+        sim, a = self.sim, self.a
+        with sim._lock:
+            a.held.extend(v for v in a.regions.values() if v.extents)
+            a.regions = {k: dataclasses.replace(v, extents=()) for k, v in a.regions.items()}
+            a.state, a.unfinished = PARKED, True
+            nbytes = sum(n for v in a.held for _, n in v.extents) * self.page
+        log.warning(
+            "job %r is parked, whole, but its parked copy could not be completed (%s): %s of its bytes stay in the "
+            "simulated device memory it holds, and its next restore completes the copy first (a daemon started "
+            "meanwhile completes it as it starts). Check the health and free space of the file system of %s (%s)",
+            a.name,
+            exc,
+            human_size(nbytes),
+            sim.root,
+            sim._space(),
+        )
 
     # --- the restore --------------------------------------------------------------------------
 
