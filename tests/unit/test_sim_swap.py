@@ -45,9 +45,16 @@ def full_gpu(sims: Sims, **settings: Any) -> tuple[SimBackend, dict[str, list[tu
 
     ``b`` cannot come back before ``a`` leaves: only 12 pages of gpu 0 are free.
     """
+    return parked_b_resident_a(sims, ((0, 16 * PAGE - 5), (1, 3 * PAGE), (0, 8 * PAGE)), **settings)
+
+
+def parked_b_resident_a(
+    sims: Sims, b_regions: tuple[tuple[int, int], ...], **settings: Any
+) -> tuple[SimBackend, dict[str, list[tuple[RegionInfo, bytes]]]]:
+    """Job "b"'s ``(gpu, nbytes)`` regions filled and parked, then "a"'s two regions of gpu 0 (20 pages), resident."""
     b = sims.backend(**settings)
     jobs: dict[str, list[tuple[RegionInfo, bytes]]] = {"a": [], "b": []}
-    for gpu, nbytes in ((0, 16 * PAGE - 5), (1, 3 * PAGE), (0, 8 * PAGE)):
+    for gpu, nbytes in b_regions:
         info = b.alloc("b", gpu, nbytes)
         jobs["b"].append((info, fill(sims, info, info.region)))
     asyncio.run(b.snapshot("b"))
@@ -467,16 +474,7 @@ def small_in(sims: Sims) -> tuple[SimBackend, dict[str, list[tuple[RegionInfo, b
     """Job "a" (21 pages of gpu 0, resident) and "b" (3 pages there and 2 on gpu 1, parked), which free pages
     take: a swap of "a" out for "b" in restores "b" whole in its first two steps, "a"'s park going on.
     """
-    b = sims.backend()
-    jobs: dict[str, list[tuple[RegionInfo, bytes]]] = {"a": [], "b": []}
-    for gpu, nbytes in ((0, 3 * PAGE - 5), (1, 2 * PAGE)):
-        info = b.alloc("b", gpu, nbytes)
-        jobs["b"].append((info, fill(sims, info, info.region)))
-    asyncio.run(b.snapshot("b"))
-    for nbytes in (12 * PAGE + 7, 8 * PAGE):
-        info = b.alloc("a", 0, nbytes)
-        jobs["a"].append((info, fill(sims, info, 100 + info.region)))
-    return b, jobs
+    return parked_b_resident_a(sims, ((0, 3 * PAGE - 5), (1, 2 * PAGE)))
 
 
 def listed(b: SimBackend, job: str) -> tuple[int, int]:
