@@ -516,6 +516,7 @@ def cluster_from_args(args: argparse.Namespace, token: str | None) -> tuple[Clus
         token=token,
         election_timeout=(lo, 2 * lo),
         heartbeat_interval=lo / 4,
+        dns=(args.dns, args.peer_port) if args.dns is not None else None,
     )
     return cluster, me.id
 

@@ -74,6 +74,8 @@ class ClusterConfig:
     token: str = field(repr=False)  # shared by every member; never logged, never sent
     election_timeout: tuple[float, float] = (1.0, 2.0)
     heartbeat_interval: float = 0.25
+    dns: tuple[str, int] | None = None  # --dns: the name and the peer port its members take, looked at again
+    dns_check_interval: float = 30.0  # how often (``daemon/members_watch.py``)
 
 
 @dataclass

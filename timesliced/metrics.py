@@ -223,6 +223,9 @@ class StatusCollector:
         members = list((status.get("cluster") or {}).get("members") or [])
         for h in status.get("host") or ():
             _add_host(f, h, members)
+        look = (status.get("cluster") or {}).get("dns")
+        if look is not None and look.get("listed") is not None:  # under --dns, once the name was looked at
+            f.dns_members_differ.add_metric([], 1.0 if look["differs"] else 0.0)
         pool = (status.get("host_memory") or {}).get("sim_pool")
         if pool is not None:  # a node with a simulated GPU
             f.sim_pool.add_metric([], float(pool["held"]))
@@ -335,6 +338,10 @@ class _Families:
         )
         self.sim_pool_limit = GaugeMetricFamily(
             "timesliced_sim_pool_limit_bytes", "The most the simulated GPU keeps as warm buffers (--sim-pool)."
+        )
+        self.dns_members_differ = GaugeMetricFamily(
+            "timesliced_cluster_dns_members_differ",
+            "1 while the --dns name lists other members than this daemon started with: restart every daemon.",
         )
         self.jobs_dropped = GaugeMetricFamily(
             "timesliced_job_series_dropped", "Jobs left out of the job series by the cap on their number."

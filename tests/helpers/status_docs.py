@@ -78,6 +78,7 @@ def cluster(node: str) -> schema.Cluster:
         "refused": 0,
         "problems": [],
         "peers": None,
+        "dns": None,
     }
 
 

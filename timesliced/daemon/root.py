@@ -45,6 +45,7 @@ from .election_file import load_election, save_election
 from .host_memory import HostMemory, JobPlace
 from .jobs import NodeJobs
 from .journal import Journal
+from .members_watch import MembersWatch
 from .moves import Mover
 from .ops import ClientOps
 from .parking import Parking, open_parking
@@ -128,6 +129,10 @@ class Daemon:
         self.telemetry = Telemetry(self.parking.nvml or sim_source, interval=config.telemetry_interval, clock=self._now)
         self.moves = MoveLog()
         self.history = History()
+        # Under --dns: whether the name still lists this daemon's members.
+        self.members_watch: MembersWatch | None = None
+        if config.cluster is not None and config.cluster.dns is not None:
+            self.members_watch = MembersWatch(*config.cluster.dns, members=config.cluster.members)
         self.report = StatusReport(
             config,
             parking=self.parking,
@@ -138,6 +143,7 @@ class Daemon:
             sim_source=sim_source,
             moves=self.moves,
             peers=lambda: self.peers,
+            members_look=lambda: self.members_watch.last if self.members_watch else None,
             host_memory=self.host_memory,
             clock=self._now,
         )
@@ -223,6 +229,8 @@ class Daemon:
                 if self.config.lease:
                     self._spawn(self._watch_leases())
                 self._spawn(self.telemetry.run())
+                if self.members_watch is not None and self.config.cluster is not None:
+                    self._spawn(self.members_watch.run(self.config.cluster.dns_check_interval))
                 if ready is not None:
                     ready(self)
                 await self._stopping.wait()

@@ -41,6 +41,7 @@ class StatusReport:
         sim_source: SimGpuSource | None,
         moves: MoveLog,
         peers: Callable[[], PeerTransport | None],
+        members_look: Callable[[], schema.MembersLook | None],
         host_memory: HostMemory,
         clock: Callable[[], float],
     ) -> None:
@@ -53,6 +54,7 @@ class StatusReport:
         self.sim_source = sim_source
         self.moves = moves
         self.peers = peers
+        self.members_look = members_look
         self.host_memory = host_memory
         self.clock = clock
         self.started_at = time.time()
@@ -64,7 +66,11 @@ class StatusReport:
         scheduler = self.cluster.scheduler
         picture = self.leader_picture(now) if scheduler is not None else self.local_picture()
         peers = self.peers()
-        cluster: schema.Cluster = {**self.cluster.describe(now), "peers": peers.describe() if peers else None}
+        cluster: schema.Cluster = {
+            **self.cluster.describe(now),
+            "peers": peers.describe() if peers else None,
+            "dns": self.members_look(),
+        }
         return {
             "node": self.config.node,
             "version": __version__,

@@ -227,8 +227,19 @@ class ClusterCore(TypedDict):
     problems: list[str]
 
 
+class MembersLook(TypedDict):
+    """Under ``--dns``: the last look at the members the name lists (``daemon/members_watch.py``)."""
+
+    name: str  # the --dns name
+    listed: list[str] | None  # the member ids it resolved to; None when the look failed
+    differs: bool  # they are not the members this daemon started with: restart every daemon
+    error: str | None  # why the look failed
+    checked_at: float  # wall-clock time of the look
+
+
 class Cluster(ClusterCore):
     peers: Peers | None  # the peer transport; None for a single daemon
+    dns: MembersLook | None  # under --dns, from the first look on (some seconds after the start); else None
 
 
 # --- telemetry and moves ------------------------------------------------------------------
