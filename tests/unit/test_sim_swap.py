@@ -554,6 +554,58 @@ def test_a_daemon_started_on_a_park_left_unfinished_finishes_it(sims: Sims, monk
     assert holds(jobs["a"]) and holds(jobs["b"]) and listed_pages_stay_theirs(adopted) is None
 
 
+def test_a_daemon_started_while_the_writes_still_fail_keeps_the_park_unfinished_and_whole(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up's copy of the listed pages fails too: the job stays parked, holding them (it was faulted, and
+    its pages zeroed with the free ones), through any number of restarts, until a restore can complete it.
+    """
+    b, jobs, faults, held = park_left_unfinished(sims, monkeypatch, times=None)
+    b.close()
+    for _ in range(2):  # a restart, and one more, with the file system still failing
+        adopted = sims.backend()
+        assert adopted.recovered_jobs()["a"][0] == "parked" and adopted.verify("a") == "parked"
+        assert listed(adopted, "a") == (layout.PARKING, held)  # nothing committed: the file says what is so
+        assert adopted.free_bytes(0) == (32 - 3 - held) * PAGE and listed_pages_stay_theirs(adopted) is None
+        with pytest.raises(errors.RestoreRefused, match="stays parked, whole"):
+            asyncio.run(adopted.restore("a"))
+        adopted.close()
+    faults.clear()
+    adopted = sims.backend()
+    asyncio.run(adopted.restore("a"))
+    assert holds(jobs["a"]) and holds(jobs["b"]) and listed_pages_stay_theirs(adopted) is None
+    assert adopted.free_bytes(0) == (32 - 3 - 21) * PAGE
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+def test_another_restore_completes_a_park_left_unfinished_to_take_its_pages(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, healthy: bool
+) -> None:
+    """The scheduler counts the held pages as free ("a" is parked): a restore that needs them completes the
+    park first, when the file system takes writes again, rather than being refused until "a" comes back.
+    """
+    b, jobs, faults, held = park_left_unfinished(sims, monkeypatch, times=None)
+    faults.clear()  # "c"'s own park lands
+    c = b.alloc("c", 0, 14 * PAGE)
+    data = fill(sims, c, 7)
+    asyncio.run(b.snapshot("c"))
+    faults.cleared = healthy  # and then the file system is well again, or not
+    b.alloc("d", 0, PAGE)  # 13 pages free, and "a" holds 15: "c" fits only in what "a" holds
+    if healthy:
+        asyncio.run(b.restore("c"))
+        assert sims.open(c).read() == data and listed(b, "a") == (layout.PARKED, 0)
+        assert b.free_bytes(0) == (32 - 3 - 1 - 14) * PAGE
+        asyncio.run(b.reclaim("c"))
+    else:
+        with pytest.raises(errors.RestoreRefused):
+            asyncio.run(b.restore("c"))
+        assert listed(b, "a") == (layout.PARKING, held) and b.job_state("c") == "parked"
+        faults.clear()
+    asyncio.run(b.reclaim("d"))
+    asyncio.run(b.restore("a"))
+    assert holds(jobs["a"]) and holds(jobs["b"]) and listed_pages_stay_theirs(b) is None
+
+
 def test_a_reclaimed_park_left_unfinished_frees_the_pages_it_held(sims: Sims, monkeypatch: pytest.MonkeyPatch) -> None:
     b, jobs, _, _ = park_left_unfinished(sims, monkeypatch, times=None)
     asyncio.run(b.reclaim("a"))

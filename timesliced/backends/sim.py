@@ -734,6 +734,7 @@ class SimBackend:
                 self._raise_if_faulted(j)
             if j.unfinished:
                 self._complete_park(j)  # raises RestoreRefused: the job stays parked, whole, its pages held
+            self._complete_others(j)
             with self._lock:
                 try:
                     placed = self._take_pages(j)
@@ -1043,12 +1044,33 @@ class SimBackend:
                 nbytes = sum(n for r in j.held for _, n in r.extents) * self.page_size
             raise errors.RestoreRefused(
                 f"restore of job {j.name!r} was not started: the rest of its parked copy, {human_size(nbytes)} in "
-                f"the device memory it holds, could not be written to {j.folder} ({exc}); the job stays parked, "
+                f"the device memory it holds, could not be completed in {j.folder} ({exc}); the job stays parked, "
                 f"whole. Check the health and free space of the file system of {self.root} ({self._space()}), "
                 "then restore again",
                 job=j.name,
             ) from exc
         log.info("job %r: the parked copy its swap left unfinished is complete", j.name)
+
+    def _complete_others(self, *moving: _Job) -> None:
+        """Before a restore takes pages: complete the parks other jobs left unfinished, freeing what they hold.
+
+        The scheduler counts those pages as free (the jobs are parked), and granted this restore on that
+        count; left held, they would refuse it until their own jobs came back. Each such job is claimed
+        as a move (one that is moving is left alone); one whose copy still fails keeps its pages, parked
+        and whole, and the restore takes what else is free.
+        """
+        with self._lock:
+            others = [o for o in self._jobs.values() if o.unfinished and o.move is None and o not in moving]
+            claims = [(o, _Move()) for o in others]
+            for o, claim in claims:
+                o.move = claim
+        for o, claim in claims:
+            try:
+                self._complete_park(o)
+            except errors.RestoreRefused as exc:
+                log.info("%s", exc.message)
+            finally:
+                self._finish(o, claim)
 
     def _info(self, job: str, r: RegionRecord) -> RegionInfo:
         return RegionInfo(
@@ -1236,6 +1258,11 @@ class SimBackend:
             j = _Job(header.job, CtlWriter.adopt(path, header, size), slot.state, slot.epoch, slot.next_region, regions)
             self._jobs[j.name] = j.bind(self.root)
             state = self._adopted_state(j, fresh)
+            if j.unfinished:  # parked, whole, holding its listed pages: the file already says what is so
+                j.regions = {k: dataclasses.replace(r, extents=()) for k, r in j.regions.items()}
+                j.state = PARKED
+                self._recovered[j.name] = (STATE_NAMES[PARKED], self.footprint(j.name))
+                continue
             if state != slot.state or header.gen % 2:
                 if state != RESIDENT:
                     j.regions = {k: dataclasses.replace(r, extents=()) for k, r in j.regions.items()}
@@ -1299,7 +1326,9 @@ class SimBackend:
         Its control file lists, per region, only the pages not yet handed over; the rest is in the
         region's host file already (``_write_listed``, which copies those pages there). A region with
         no page listed was written whole. A job whose listed pages are gone (a new arena) or whose
-        handed-over part has no host file is faulted.
+        handed-over part has no host file is faulted. One whose copy cannot be written (the file
+        system still failing) is parked, unfinished, holding its listed pages, as the daemon before
+        left it (``_Swap._hold_unfinished``): its next restore completes the copy.
         """
         listed: list[RegionRecord] = []
         for r in j.regions.values():
@@ -1318,8 +1347,30 @@ class SimBackend:
             listed.append(r)
         try:
             self._write_listed(j, listed)
-        except OSError:
-            return FAULTED
+        except OSError as exc:
+            return self._hold_listed(j, listed, exc)
+        return PARKED
+
+    def _hold_listed(self, j: _Job, listed: list[RegionRecord], exc: OSError) -> int:
+        """At start-up, the listed pages' copy failed: the job parked unfinished, holding them (PARKED), or FAULTED."""
+        claimed: list[RegionRecord] = []
+        for r in listed:
+            if not self._allocators[r.gpu].claim(r.extents):
+                for done in claimed:
+                    self._allocators[done.gpu].give(done.extents)
+                return FAULTED
+            claimed.append(r)
+        j.held, j.unfinished = claimed, True
+        log.warning(
+            "job %r is parked, whole, but its parked copy could not be completed as this daemon started (%s): %s of "
+            "its bytes stay in the simulated device memory it holds, and its next restore completes the copy first. "
+            "Check the health and free space of the file system of %s (%s)",
+            j.name,
+            exc,
+            human_size(sum(n for r in claimed for _, n in r.extents) * self.page_size),
+            self.root,
+            self._space(),
+        )
         return PARKED
 
     def _write_listed(self, j: _Job, records: Iterable[RegionRecord]) -> None:
@@ -1537,6 +1588,7 @@ class _Swap:
     def _begin(self) -> None:
         """Check that the incoming job fits in free pages plus the outgoing job's, then start the park."""
         sim, a, b = self.sim, self.a, self.b
+        sim._complete_others(a, b)  # the pages of parks left unfinished count as free to the scheduler
         with sim._lock:
             need: dict[int, int] = {}
             for r in b.regions.values():
