@@ -158,13 +158,13 @@ class _Job:
     # 10 us of its 170 at 6 GB/s. Reclaim removes it.
     has_folder: bool = False
     # Pages its committed control file still lists that the job let go of: a swap's park whose last
-    # commits failed (``_Swap._park_holding``) or whose writes did (``_Swap._hold_unfinished``).
+    # commits failed (``_Swap._park_holding``) or whose writes did (``SimBackend._park_unfinished``).
     # Start-up finishes such a park from the pages the file lists (``_finish_handed_park``), so they
     # stay out of the allocator, holding the job's bytes, until a commit of the job lands (``_update``)
     # or it is reclaimed.
     held: list[RegionRecord] = dataclasses.field(default_factory=list)
     # The held pages hold bytes the parked files lack: a swap's park whose writes failed after it handed
-    # pages over (``_Swap._hold_unfinished``). The job is parked, whole, but no commit of it may land
+    # pages over (``SimBackend._park_unfinished``). The job is parked, whole, but no commit of it may land
     # before those bytes are on the host (the file says ``PARKING`` and lists the pages): its next
     # restore completes the copy first (``_complete_park``), and nothing else writes the file meanwhile.
     unfinished: bool = False
@@ -1259,8 +1259,6 @@ class SimBackend:
             self._jobs[j.name] = j.bind(self.root)
             state = self._adopted_state(j, fresh)
             if j.unfinished:  # parked, whole, holding its listed pages: the file already says what is so
-                j.regions = {k: dataclasses.replace(r, extents=()) for k, r in j.regions.items()}
-                j.state = PARKED
                 self._recovered[j.name] = (STATE_NAMES[PARKED], self.footprint(j.name))
                 continue
             if state != slot.state or header.gen % 2:
@@ -1302,15 +1300,14 @@ class SimBackend:
         ):
             return self._finish_handed_park(j, fresh)
         if j.state in (RESIDENT, PARKING):
-            claimed: list[RegionRecord] = []
-            for r in j.regions.values():
-                pages = self.rounded(r.nbytes) // self.page_size
-                intact = r.gpu < self.gpus and not fresh[r.gpu] and sum(n for _, n in r.extents) == pages
-                if not (intact and self._allocators[r.gpu].claim(r.extents)):
-                    for done in claimed:
-                        self._allocators[done.gpu].give(done.extents)
-                    return FAULTED
-                claimed.append(r)
+            intact = all(
+                r.gpu < self.gpus
+                and not fresh[r.gpu]
+                and sum(n for _, n in r.extents) == self.rounded(r.nbytes) // self.page_size
+                for r in j.regions.values()
+            )
+            if not (intact and self._claim_all(j.regions.values())):
+                return FAULTED
             return RESIDENT  # a snapshot cut short: the device copy is still the complete one
         if j.state == PARKED:
             for r in j.regions.values():
@@ -1328,7 +1325,7 @@ class SimBackend:
         no page listed was written whole. A job whose listed pages are gone (a new arena) or whose
         handed-over part has no host file is faulted. One whose copy cannot be written (the file
         system still failing) is parked, unfinished, holding its listed pages, as the daemon before
-        left it (``_Swap._hold_unfinished``): its next restore completes the copy.
+        left it (``SimBackend._park_unfinished``): its next restore completes the copy.
         """
         listed: list[RegionRecord] = []
         for r in j.regions.values():
@@ -1347,31 +1344,47 @@ class SimBackend:
             listed.append(r)
         try:
             self._write_listed(j, listed)
-        except OSError as exc:
-            return self._hold_listed(j, listed, exc)
+        except OSError as exc:  # the file system still fails: parked as the daemon before left it, if the pages are
+            if not self._claim_all(listed):
+                return FAULTED
+            self._park_unfinished(j, listed, exc)
         return PARKED
 
-    def _hold_listed(self, j: _Job, listed: list[RegionRecord], exc: OSError) -> int:
-        """At start-up, the listed pages' copy failed: the job parked unfinished, holding them (PARKED), or FAULTED."""
+    def _claim_all(self, records: Iterable[RegionRecord]) -> bool:
+        """Take every record's pages from the allocators (start-up), or none of them: False."""
         claimed: list[RegionRecord] = []
-        for r in listed:
+        for r in records:
             if not self._allocators[r.gpu].claim(r.extents):
                 for done in claimed:
                     self._allocators[done.gpu].give(done.extents)
-                return FAULTED
+                return False
             claimed.append(r)
-        j.held, j.unfinished = claimed, True
+        return True
+
+    def _park_unfinished(self, j: _Job, listed: Iterable[RegionRecord], exc: Exception) -> None:
+        """``j`` parked, whole, its copy unfinished: ``listed`` (the regions whose pages hold its last bytes) held.
+
+        Nothing is committed: its control file says ``PARKING`` and lists those pages, which is what
+        start-up finishes as a park (``_finish_handed_park``). They stay the job's (``_Job.held``),
+        neither free nor a restore's, and no commit of the job lands before a restore has completed the
+        copy from them (``_complete_park``). A swap's park whose completion failed (``_Swap._fail_a``),
+        and a start-up whose copy of such a park failed, leave a job so.
+        """
+        with self._lock:
+            j.held.extend(listed)
+            j.regions = {k: dataclasses.replace(v, extents=()) for k, v in j.regions.items()}
+            j.state, j.unfinished = PARKED, True
+            nbytes = sum(n for v in j.held for _, n in v.extents) * self.page_size
         log.warning(
-            "job %r is parked, whole, but its parked copy could not be completed as this daemon started (%s): %s of "
-            "its bytes stay in the simulated device memory it holds, and its next restore completes the copy first. "
+            "job %r is parked, whole, but its parked copy could not be completed (%s): %s of its bytes stay in the "
+            "simulated device memory it holds, and its next restore (or a daemon's start) completes the copy first. "
             "Check the health and free space of the file system of %s (%s)",
             j.name,
             exc,
-            human_size(sum(n for r in claimed for _, n in r.extents) * self.page_size),
+            human_size(nbytes),
             self.root,
             self._space(),
         )
-        return PARKED
 
     def _write_listed(self, j: _Job, records: Iterable[RegionRecord]) -> None:
         """Complete a park that handed pages over: copy the device pages each region still lists into its host file.
@@ -1748,7 +1761,7 @@ class _Swap:
     def _fail_a(self, exc: BaseException) -> None:
         """The park stopped: roll it back if no page was handed over, else finish it without pacing.
 
-        A park that cannot be finished either is parked all the same, its bytes whole (``_hold_unfinished``).
+        A park that cannot be finished either is parked all the same, its bytes whole (``SimBackend._park_unfinished``).
         """
         sim, a = self.sim, self.a
         if not any(self.a_handed.values()):
@@ -1763,37 +1776,12 @@ class _Swap:
                 self._step_a()
             self.a_result = MoveResult(self.a_moved, time.perf_counter() - self.start)
         except Exception as err:
-            self._hold_unfinished(err.with_traceback(None))  # the copy's frames hold slices of the arena
+            # Its bytes are whole, the rest in the pages its file still lists: parked all the same, and the park
+            # half succeeds, for the scheduler must hear the job is parked (a failed park says resident, or faulted).
+            listed = [v for v in a.regions.values() if v.extents]
+            sim._park_unfinished(a, listed, err.with_traceback(None))  # the copy's frames hold slices of the arena
             nbytes = sum(r.nbytes for r in self.a_records)  # what its parked files take on the host
             self.a_result = MoveResult(nbytes, time.perf_counter() - self.start)
-
-    def _hold_unfinished(self, exc: Exception) -> None:
-        """The park's completion failed too, after a hand-over: park the job all the same, holding its last pages.
-
-        Its bytes are whole: each region's handed-over part in its host file, the rest in the device
-        pages its control file (``PARKING``) still lists, which is what start-up finishes as a park
-        (``_finish_handed_park``). So the park half succeeds: the scheduler must hear that the job is
-        parked (a failed park says it is resident, or faulted), and the warning says why it is not
-        complete. Nothing is committed: the file says what is so. Its listed pages stay the job's
-        (``_Job.held``), neither free nor a restore's, and no commit of the job lands before its next
-        restore has completed the copy from them (``SimBackend._complete_park``).
-        """
-        sim, a = self.sim, self.a
-        with sim._lock:
-            a.held.extend(v for v in a.regions.values() if v.extents)
-            a.regions = {k: dataclasses.replace(v, extents=()) for k, v in a.regions.items()}
-            a.state, a.unfinished = PARKED, True
-            nbytes = sum(n for v in a.held for _, n in v.extents) * self.page
-        log.warning(
-            "job %r is parked, whole, but its parked copy could not be completed (%s): %s of its bytes stay in the "
-            "simulated device memory it holds, and its next restore completes the copy first (a daemon started "
-            "meanwhile completes it as it starts). Check the health and free space of the file system of %s (%s)",
-            a.name,
-            exc,
-            human_size(nbytes),
-            sim.root,
-            sim._space(),
-        )
 
     # --- the restore --------------------------------------------------------------------------
 

@@ -20,11 +20,9 @@ from ..wire.status import MembersLook
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_S = 30.0
-
 
 class MembersWatch:
-    """``look`` resolves the name (blocking) and keeps what it found; ``run`` does so every ``interval``."""
+    """``look`` resolves the name (blocking) and keeps what it found; ``run`` does so every ``interval`` seconds."""
 
     def __init__(
         self,
@@ -32,11 +30,13 @@ class MembersWatch:
         port: int,
         members: Iterable[str],
         *,
+        interval: float = 30.0,
         resolve: Resolver | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.service, self.port = service, port
         self.members = sorted(members)
+        self.interval = interval
         self._resolve = resolve
         self._clock = clock
         self.last: MembersLook | None = None
@@ -59,9 +59,9 @@ class MembersWatch:
         self.last = found
         return found
 
-    async def run(self, interval: float = DEFAULT_INTERVAL_S) -> None:
+    async def run(self) -> None:
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.interval)
             await asyncio.to_thread(self.look)
 
     def _tell(self, now: MembersLook) -> None:

@@ -132,7 +132,9 @@ class Daemon:
         # Under --dns: whether the name still lists this daemon's members.
         self.members_watch: MembersWatch | None = None
         if config.cluster is not None and config.cluster.dns is not None:
-            self.members_watch = MembersWatch(*config.cluster.dns, members=config.cluster.members)
+            self.members_watch = MembersWatch(
+                *config.cluster.dns, members=config.cluster.members, interval=config.cluster.dns_check_interval
+            )
         self.report = StatusReport(
             config,
             parking=self.parking,
@@ -229,8 +231,8 @@ class Daemon:
                 if self.config.lease:
                     self._spawn(self._watch_leases())
                 self._spawn(self.telemetry.run())
-                if self.members_watch is not None and self.config.cluster is not None:
-                    self._spawn(self.members_watch.run(self.config.cluster.dns_check_interval))
+                if self.members_watch is not None:
+                    self._spawn(self.members_watch.run())
                 if ready is not None:
                     ready(self)
                 await self._stopping.wait()
