@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ def test_bench_copy_reports_the_ceiling_and_each_move_against_its_model() -> Non
     assert set(result["ceiling"]) == {
         "warm_gbps",
         "warm_chunked_gbps",
+        "warm_duplex_gbps",
         "fresh_mmap_gbps",
         "fresh_write_gbps",
         "prefaulted_gbps",
@@ -27,9 +30,50 @@ def test_bench_copy_reports_the_ceiling_and_each_move_against_its_model() -> Non
     for r in rows.values():
         assert r["model_gbps"] == 1.0 and r["mib"] == 1 and r["model_s"] == (1 << 20) / 1e9
         assert r["took_s"] > 0 and r["ratio"] == r["model_s"] / r["took_s"]
+        kind = "warm_duplex_gbps" if r["kind"] == "swap" else "warm_chunked_gbps"  # the ceiling of its kind
+        assert r["ceiling_gbps"] == result["ceiling"][kind]
     text = format_copy(result)
-    assert "copy ceiling on this machine: warm" in text and len(text.splitlines()) == 2 + 6 + 1 + 2
-    assert "1.0 GB/s pool off: 1 MiB " in text and "1.0 GB/s pool  on: 1 MiB " in text
+    assert "copy ceiling on this machine: warm" in text and len(text.splitlines()) == 2 + 6 + 1 + 4
+    for pool in ("off", " on"):
+        for kind in ("lone", "swap"):
+            assert f"1.0 GB/s pool {pool} {kind}: 1 MiB " in text
+
+
+def test_the_summary_marks_a_model_above_the_ceiling_of_its_kind() -> None:
+    """A swap makes two copies at once, so its ceiling is the duplex one: a model between the two marks swaps only."""
+
+    def row(kind: str, ceiling: float) -> dict[str, Any]:
+        return {
+            "model_gbps": 5.0, "pool": "on", "mib": 1, "kind": kind, "model_s": 2e-4, "took_s": 4e-4,
+            "achieved_gbps": 2.6, "ratio": 0.5, "ceiling_gbps": ceiling,
+        }  # fmt: skip
+
+    ceiling = {
+        "warm_gbps": 10.0, "warm_chunked_gbps": 6.0, "warm_duplex_gbps": 4.0, "fresh_mmap_gbps": 1.0,
+        "fresh_write_gbps": 2.0, "prefaulted_gbps": 9.0,
+    }  # fmt: skip
+    text = format_copy({"ceiling": ceiling, "sim": [row("snapshot", 6.0), row("restore", 6.0), row("swap", 4.0)]})
+    assert "5.0 GB/s pool  on lone: 1 MiB 0.50\n" in text + "\n"
+    assert "5.0 GB/s pool  on swap: 1 MiB 0.50*" in text
+    assert "4.00 GB/s each for two at once" in text
+
+
+def test_the_duplex_ceiling_copies_in_two_threads_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run copies both buffers whole, one in this thread and one in another, with the call that frees the GIL."""
+    real = ctypes.memmove
+    copied: dict[threading.Thread, int] = {}  # the threads themselves: an ident may be reused
+    lock = threading.Lock()
+
+    def memmove(dst: int, src: int, n: int) -> int:
+        with lock:
+            me = threading.current_thread()
+            copied[me] = copied.get(me, 0) + n
+        return int(real(dst, src, n))
+
+    monkeypatch.setattr(ctypes, "memmove", memmove)
+    assert copy.duplex_ceiling(2, 3, chunk=1 << 19) > 0
+    assert copied.pop(threading.current_thread()) == 3 * (2 << 20)
+    assert list(copied.values()) == [2 << 20] * 3  # one helper per run, each copying its buffer whole
 
 
 def test_bench_copy_runs_one_side_alone() -> None:
@@ -38,9 +82,13 @@ def test_bench_copy_runs_one_side_alone() -> None:
 
 
 def test_the_link_line_says_when_the_model_outruns_the_machine() -> None:
-    assert "faster than this machine copies" in describe_link({"model_gbps": 25.0, "copy_ceiling_gbps": 10.0})
-    assert "faster" not in describe_link({"model_gbps": 2.0, "copy_ceiling_gbps": 10.0})
-    assert "(unpaced)" in describe_link({"model_gbps": 0.0, "copy_ceiling_gbps": 10.0})
+    def line(model: float) -> str:
+        return describe_link({"model_gbps": model, "copy_ceiling_gbps": 10.0, "duplex_ceiling_gbps": 6.0})
+
+    assert "faster than this machine copies: switches" in line(25.0)
+    assert "faster than this machine makes two copies at once: swaps" in line(8.0)
+    assert "faster" not in line(2.0) and "6.0 GB/s each for two at once" in line(2.0)
+    assert "(unpaced)" in line(0.0)
 
 
 def test_the_ceiling_holds_one_runs_pages_at_a_time_however_many_runs(

@@ -8,13 +8,20 @@ Figures, all measured in one run:
   (``timesliced.sim.COPY_CHUNK``): what its moves can reach, so no simulated move can honour a model
   faster than this. Below ``warm_gbps`` where the C library streams only large copies past the
   cache (non-temporal stores; see ``COPY_CHUNK``).
+- ``warm_duplex_gbps``: two such chunked copies at once, in two threads, as a swap makes them (its
+  park and its restore; the model gives each direction the full bandwidth): the rate each reaches.
+  Both share the machine's memory bandwidth, so this is below ``warm_chunked_gbps``, and it is the
+  most a simulated swap can follow.
 - ``fresh_mmap_gbps`` / ``fresh_write_gbps``: a copy into a fresh tmpfs file, through a mapping
   (every 4 KiB page faulted in by the copy) or through ``write(2)`` (the kernel allocates the pages).
 - ``prefaulted_gbps``: a copy into a tmpfs file whose pages were allocated (``fallocate``) and
   mapped (``MAP_POPULATE``) beforehand.
 - ``sim``: for each model bandwidth and move size, the sim backend's snapshot, restore and swap:
   the time the model gives, the time the move took, and ``ratio`` = achieved / model bandwidth
-  (1.0: the move took exactly the modelled time; under 1.0: slower than the model). Each is run
+  (1.0: the move took exactly the modelled time; under 1.0: slower than the model), and
+  ``ceiling_gbps``, the ceiling above for that kind of move (``warm_duplex_gbps`` for a swap,
+  ``warm_chunked_gbps`` for a lone snapshot or restore): a model above it cannot be followed on
+  this machine, and the summary marks such rows. Each is run
   twice, without the pool of warm parked-file buffers (``pool`` off: every park writes new tmpfs
   pages, as before the pool) and with it (on: parks write into the buffers restores left). A move's
   time is what the backend measured of it (``MoveResult.seconds``; a swap's is its later half's),
@@ -24,10 +31,12 @@ Figures, all measured in one run:
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import mmap
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -83,23 +92,65 @@ def _copier(dst: bytearray, src: bytearray, chunk: int) -> Callable[[], Callable
     return once
 
 
+def duplex_ceiling(mib: int = 64, reps: int = 5, *, chunk: int = COPY_CHUNK) -> float:
+    """GB/s each of two warm copies of ``mib`` MiB made at once, ``chunk`` bytes at a time (best of ``reps``).
+
+    One copy runs in a second thread and one in this one, as a simulated swap's park and restore
+    do; ``ctypes.memmove`` lets go of the GIL, as the sim's copies do, so the two really overlap.
+    """
+    n = mib * MiB
+    pairs = []
+    for _ in range(2):
+        src = bytearray(os.urandom(MiB) * mib)
+        pairs.append((bytearray(src), src))  # the destination a copy: its pages are touched already
+    addresses = [(_address(dst), _address(src)) for dst, src in pairs]
+
+    def copy(dst: int, src: int) -> None:
+        for pos in range(0, n, chunk):
+            ctypes.memmove(dst + pos, src + pos, min(chunk, n - pos))
+
+    def other(both: threading.Barrier) -> None:
+        both.wait()
+        copy(*addresses[1])
+
+    best = float("inf")
+    for _ in range(reps):
+        both = threading.Barrier(2)
+        helper = threading.Thread(target=other, args=(both,), name="timesliced-bench-copy")
+        helper.start()
+        both.wait()
+        start = time.perf_counter()
+        copy(*addresses[0])
+        helper.join()
+        best = min(best, time.perf_counter() - start)
+    return n / best / 1e9
+
+
+def _address(buf: bytearray) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+
+
 def link_figures(model_bps: float) -> dict[str, float]:
     """The sim's model bandwidth next to this machine's warm copy ceiling (in the sim's chunks), for the
     benchmarks that time switches.
 
-    A model above the ceiling cannot be honoured: switches then take longer than the model says.
+    A model above the ceiling cannot be honoured: switches then take longer than the model says; one
+    above the duplex ceiling (two copies at once) cannot be honoured by swaps.
     """
-    return {"model_gbps": model_bps / 1e9, "copy_ceiling_gbps": warm_ceiling()}
+    return {"model_gbps": model_bps / 1e9, "copy_ceiling_gbps": warm_ceiling(), "duplex_ceiling_gbps": duplex_ceiling()}
 
 
 def describe_link(figures: dict[str, float]) -> str:
-    model, ceiling = figures["model_gbps"], figures["copy_ceiling_gbps"]
+    model, ceiling, duplex = figures["model_gbps"], figures["copy_ceiling_gbps"], figures["duplex_ceiling_gbps"]
     line = (
         f"sim link model {model:g} GB/s each way{' (unpaced)' if not model else ''}; "
-        f"this machine's warm copy ceiling {ceiling:.1f} GB/s (in the sim's {COPY_CHUNK >> 20} MiB copies)"
+        f"this machine's warm copy ceiling {ceiling:.1f} GB/s (in the sim's {COPY_CHUNK >> 20} MiB copies), "
+        f"{duplex:.1f} GB/s each for two at once (a swap)"
     )
     if model > ceiling:
         line += " (the model is faster than this machine copies: switches take longer than it says)"
+    elif model > duplex:
+        line += " (the model is faster than this machine makes two copies at once: swaps take longer than it says)"
     return line
 
 
@@ -113,6 +164,7 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
     out: dict[str, float] = {}
     out["warm_gbps"] = _best(reps, n, _copier(dst, src, n))
     out["warm_chunked_gbps"] = _best(reps, n, _copier(dst, src, COPY_CHUNK))
+    out["warm_duplex_gbps"] = duplex_ceiling(mib, reps)
     # The mapping of the run being timed. Each run's set-up unmaps the one before first: that run's file
     # is unlinked by then, so its mapping is all that holds its pages, and kept they would add up to
     # ``reps`` times ``mib`` of tmpfs.
@@ -237,14 +289,16 @@ def run_copy(
     base = Path(tempfile.mkdtemp(prefix="timesliced-copy-", dir=default_sim_dir(Path(tempfile.gettempdir())).parent))
     try:
         ceiling = measure_ceiling(base, mib=mib, reps=reps)
-        warm = ceiling["warm_chunked_gbps"]  # what the sim's moves can reach
-        chosen = bandwidths or sorted({1.0, 2.0, round(warm * 0.5, 1), round(warm * 0.9, 1)})
+        lone, duplex = ceiling["warm_chunked_gbps"], ceiling["warm_duplex_gbps"]  # what the sim's moves can reach
+        chosen = bandwidths or sorted({1.0, 2.0, round(duplex * 0.5, 1), round(duplex * 0.9, 1), round(lone * 0.9, 1)})
         sim: list[dict[str, Any]] = []
         for gbps in chosen:
             for pool in pools:
                 root = base / f"sim-{gbps:g}-{pool}"
                 sim += asyncio.run(_sim_moves(root, sizes, gbps * 1e9, reps, pool=pool))
                 shutil.rmtree(root, ignore_errors=True)
+        for row in sim:
+            row["ceiling_gbps"] = duplex if row["kind"] == "swap" else lone
         return {"ceiling": ceiling, "sim": sim}
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -254,8 +308,9 @@ def format_copy(result: dict[str, Any]) -> str:
     c = result["ceiling"]
     lines = [
         f"copy ceiling on this machine: warm {c['warm_gbps']:.2f} GB/s, in the sim's {COPY_CHUNK >> 20} MiB copies "
-        f"{c['warm_chunked_gbps']:.2f} GB/s (the most a simulated move can follow)   into fresh tmpfs pages "
-        f"{c['fresh_mmap_gbps']:.2f} (mmap) / {c['fresh_write_gbps']:.2f} (write) GB/s   "
+        f"{c['warm_chunked_gbps']:.2f} GB/s (the most a lone simulated move can follow), "
+        f"{c['warm_duplex_gbps']:.2f} GB/s each for two at once (the most a swap can follow)   into fresh tmpfs "
+        f"pages {c['fresh_mmap_gbps']:.2f} (mmap) / {c['fresh_write_gbps']:.2f} (write) GB/s   "
         f"into pre-faulted tmpfs pages {c['prefaulted_gbps']:.2f} GB/s",
         f"{'model GB/s':>10} {'pool':>4} {'MiB':>6} {'move':>9} {'model ms':>9} {'took ms':>9} {'GB/s':>7} "
         f"{'ratio':>6}",
@@ -266,13 +321,19 @@ def format_copy(result: dict[str, Any]) -> str:
             f"{r['model_gbps']:>10.1f} {r['pool']:>4} {r['mib']:>6} {r['kind']:>9} {r['model_s'] * 1e3:>9.2f} "
             f"{r['took_s'] * 1e3:>9.2f} {r['achieved_gbps']:>7.2f} {ratio:>6}"
         )
-    lines.append("ratio = achieved / model GB/s (1.00: on the model); lowest per model bandwidth, pool and size:")
-    lowest: dict[tuple[float, str], dict[int, float]] = {}
+    lines.append(
+        "ratio = achieved / model GB/s (1.00: on the model); lowest per model bandwidth, pool, size and kind "
+        "(lone: snapshot and restore); * where the model is above this machine's ceiling for that kind:"
+    )
+    lowest: dict[tuple[float, str, str], dict[int, tuple[float, bool]]] = {}
     for r in result["sim"]:
         if r["ratio"] is not None:
-            sizes = lowest.setdefault((r["model_gbps"], r["pool"]), {})
-            sizes[r["mib"]] = min(sizes.get(r["mib"], r["ratio"]), r["ratio"])
-    for (gbps, pool), sizes in lowest.items():
-        shown = "  ".join(f"{mib} MiB {ratio:.2f}" for mib, ratio in sorted(sizes.items()))
-        lines.append(f"  {gbps:>5.1f} GB/s pool {pool:>3}: {shown}")
+            sizes = lowest.setdefault((r["model_gbps"], r["pool"], "swap" if r["kind"] == "swap" else "lone"), {})
+            worst = min(sizes.get(r["mib"], (r["ratio"], False))[0], r["ratio"])
+            sizes[r["mib"]] = (worst, r["model_gbps"] > r["ceiling_gbps"])
+    for (gbps, pool, kind), sizes in lowest.items():
+        shown = "  ".join(
+            f"{mib} MiB {ratio:.2f}{'*' if above else ''}" for mib, (ratio, above) in sorted(sizes.items())
+        )
+        lines.append(f"  {gbps:>5.1f} GB/s pool {pool:>3} {kind:>4}: {shown}")
     return "\n".join(lines)
