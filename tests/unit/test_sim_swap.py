@@ -611,3 +611,36 @@ def test_a_reclaimed_park_left_unfinished_frees_the_pages_it_held(sims: Sims, mo
     asyncio.run(b.reclaim("a"))
     assert b.job_state("a") == "unknown" and b.free_bytes(0) == (32 - 3) * PAGE and holds(jobs["b"])
     assert listed_pages_stay_theirs(b) is None and not (b.root / "parked" / job_key("a")).exists()
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+def test_another_restore_lands_the_commit_a_park_could_not_to_take_its_pages(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, healthy: bool
+) -> None:
+    """Only the park's last commit failed: "a" is parked, whole, holding the 2 pages its file still lists. A
+    restore that needs them lands that commit first, once the file takes writes, rather than being refused
+    until "a" comes back; while it does not, the restore is refused and "a" still holds them.
+    """
+    b, jobs = full_gpu(sims)
+    faults = CommitFaults(monkeypatch, "a", at=8, once=False)  # 8: the park's last commit, PARKED
+    asyncio.run(b.swap("a", "b"))
+    assert listed(b, "a") == (layout.PARKING, 2) and b.job_state("a") == "parked"
+    asyncio.run(b.snapshot("b"))  # 30 pages free, 2 held by "a"
+    c = b.alloc("c", 0, 30 * PAGE)
+    data = fill(sims, c, 7)
+    asyncio.run(b.snapshot("c"))
+    b.alloc("d", 0, PAGE)  # 29 pages free: "c" fits only with the 2 "a" holds
+    faults.cleared = healthy
+    if healthy:
+        asyncio.run(b.restore("c"))
+        assert sims.open(c).read() == data and listed(b, "a") == (layout.PARKED, 0)
+        assert b.free_bytes(0) == PAGE and listed_pages_stay_theirs(b) is None
+        asyncio.run(b.reclaim("c"))
+    else:
+        with pytest.raises(errors.RestoreRefused):
+            asyncio.run(b.restore("c"))
+        assert listed(b, "a") == (layout.PARKING, 2) and b.job_state("c") == "parked"
+        faults.clear()
+    asyncio.run(b.reclaim("d"))
+    asyncio.run(b.restore("a"))
+    assert holds(jobs["a"]) and listed_pages_stay_theirs(b) is None

@@ -160,8 +160,9 @@ class _Job:
     # Pages its committed control file still lists that the job let go of: a swap's park whose last
     # commits failed (``_Swap._park_holding``) or whose writes did (``SimBackend._park_unfinished``).
     # Start-up finishes such a park from the pages the file lists (``_finish_handed_park``), so they
-    # stay out of the allocator, holding the job's bytes, until a commit of the job lands (``_update``)
-    # or it is reclaimed.
+    # stay out of the allocator, holding the job's bytes, until a commit of the job lands (``_update``:
+    # its own next move, or another job's restore that needs the pages, ``_complete_others``) or it is
+    # reclaimed.
     held: list[RegionRecord] = dataclasses.field(default_factory=list)
     # The held pages hold bytes the parked files lack: a swap's park whose writes failed after it handed
     # pages over (``SimBackend._park_unfinished``). The job is parked, whole, but no commit of it may land
@@ -1052,23 +1053,29 @@ class SimBackend:
         log.info("job %r: the parked copy its swap left unfinished is complete", j.name)
 
     def _complete_others(self, *moving: _Job) -> None:
-        """Before a restore takes pages: complete the parks other jobs left unfinished, freeing what they hold.
+        """Before a restore takes pages: complete what other parked jobs left undone, freeing the pages they hold.
 
-        The scheduler counts those pages as free (the jobs are parked), and granted this restore on that
-        count; left held, they would refuse it until their own jobs came back. Each such job is claimed
-        as a move (one that is moving is left alone); one whose copy still fails keeps its pages, parked
-        and whole, and the restore takes what else is free.
+        A job holds pages (``_Job.held``) when its park was left unfinished (its copy is completed and
+        committed, ``_complete_park``) or when only the park's last commit failed (the commit is tried
+        again). The scheduler counts those pages as free (the jobs are parked), and granted this
+        restore on that count; left held, they would refuse it until their own jobs came back. Each
+        such job is claimed as a move (one that is moving is left alone); one whose copy or commit
+        still fails keeps its pages, parked and whole, and the restore takes what else is free.
         """
         with self._lock:
-            others = [o for o in self._jobs.values() if o.unfinished and o.move is None and o not in moving]
+            others = [o for o in self._jobs.values() if o.held and o.move is None and o not in moving]
             claims = [(o, _Move()) for o in others]
             for o, claim in claims:
                 o.move = claim
         for o, claim in claims:
             try:
-                self._complete_park(o)
-            except errors.RestoreRefused as exc:
-                log.info("%s", exc.message)
+                if o.unfinished:
+                    self._complete_park(o)
+                else:
+                    with self._lock:
+                        self._update(o)  # the commit its park could not land: the pages it lists go back
+            except errors.BackendError as exc:
+                log.info("job %r still holds simulated device memory: %s", o.name, exc.message)
             finally:
                 self._finish(o, claim)
 
@@ -1601,7 +1608,7 @@ class _Swap:
     def _begin(self) -> None:
         """Check that the incoming job fits in free pages plus the outgoing job's, then start the park."""
         sim, a, b = self.sim, self.a, self.b
-        sim._complete_others(a, b)  # the pages of parks left unfinished count as free to the scheduler
+        sim._complete_others(a, b)  # the pages parked jobs hold count as free to the scheduler
         with sim._lock:
             need: dict[int, int] = {}
             for r in b.regions.values():
@@ -1740,7 +1747,8 @@ class _Swap:
             nbytes = sum(n for v in a.held for _, n in v.extents) * self.page
             log.warning(
                 "job %r is parked, whole, but its control file cannot be written (%s): the %s of simulated "
-                "device memory it still lists stay the job's until a write of it lands (its next restore), and "
+                "device memory it still lists stay the job's until a write of it lands (at its next restore, or "
+                "another job's that needs them), and "
                 "a daemon started meanwhile finishes the park from them. Check that the file system of %s takes "
                 "writes",
                 a.name,
