@@ -769,6 +769,12 @@ def format_status(status: dict[str, Any]) -> str:
             f"parking: default {parking['default']} ({parking['why']}); {parking['device_source']} GPUs",
             f"methods: {methods}",
         ]
+        if held := parking.get("sim_held"):
+            shown = ", ".join(
+                f"{job} {_size(h['bytes'])}{' (its park unfinished)' if h['unfinished'] else ''}"
+                for job, h in held.items()
+            )
+            lines.append(f"simulated memory parked jobs hold until a control-file write lands: {shown}")
     lines += ["", "DEVICES"]
     telemetry = {g["index"]: g for g in status.get("telemetry", {}).get("gpus", [])}
     for d in status["devices"]:

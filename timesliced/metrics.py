@@ -230,6 +230,8 @@ class StatusCollector:
         if pool is not None:  # a node with a simulated GPU
             f.sim_pool.add_metric([], float(pool["held"]))
             f.sim_pool_limit.add_metric([], float(pool["limit"]))
+        for job, held in ((status.get("parking") or {}).get("sim_held") or {}).items():
+            f.sim_held.add_metric([job, "true" if held["unfinished"] else "false"], float(held["bytes"]))
         _add_gpus(f, status.get("devices") or (), (status.get("telemetry") or {}).get("gpus") or ())
         jobs = list(status.get("jobs", ()))
         kept, dropped = jobs[: self._max_jobs], len(jobs) - self._max_jobs
@@ -338,6 +340,11 @@ class _Families:
         )
         self.sim_pool_limit = GaugeMetricFamily(
             "timesliced_sim_pool_limit_bytes", "The most the simulated GPU keeps as warm buffers (--sim-pool)."
+        )
+        self.sim_held = GaugeMetricFamily(
+            "timesliced_sim_held_bytes",
+            "Simulated device memory a parked job holds because its control-file writes failed (free once one lands).",
+            labels=["job", "unfinished"],
         )
         self.dns_members_differ = GaugeMetricFamily(
             "timesliced_cluster_dns_members_differ",

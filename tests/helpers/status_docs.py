@@ -32,6 +32,7 @@ def parking(default: str = "sim") -> schema.Parking:
         "device_source": "sim",
         "methods": {default: "available"},
         "checkpoint": None,
+        "sim_held": {},
     }
 
 

@@ -500,3 +500,17 @@ def test_the_sim_pool_shows_where_the_node_has_a_simulated_gpu() -> None:
     series = scrape(Metrics(lambda: status, node="vm"))
     assert series["timesliced_sim_pool_bytes"] == {frozenset(): float(3 << 20)}
     assert series["timesliced_sim_pool_limit_bytes"] == {frozenset(): float(1 << 30)}
+
+
+def test_memory_a_parked_job_holds_on_a_simulated_gpu_shows_per_job() -> None:
+    assert "timesliced_sim_held_bytes" not in scrape(Metrics(provider(STATUS), node="vm"))
+    status = copy.deepcopy(STATUS)
+    status["parking"]["sim_held"] = {
+        "a": {"bytes": 4 << 20, "unfinished": False},
+        "b": {"bytes": 0, "unfinished": True},
+    }
+    series = scrape(Metrics(lambda: status, node="vm"))
+    assert series["timesliced_sim_held_bytes"] == {
+        frozenset({("job", "a"), ("unfinished", "false")}): float(4 << 20),
+        frozenset({("job", "b"), ("unfinished", "true")}): 0.0,
+    }

@@ -502,6 +502,7 @@ def park_left_unfinished(
     assert state == layout.PARKING and held == 21 - 6  # two chunks' 6 pages handed over; start-up finishes it
     assert b.free_bytes(0) == (32 - 3 - held) * PAGE and b.free_bytes(1) == 30 * PAGE
     assert listed_pages_stay_theirs(b) is None
+    assert b.held() == {"a": {"bytes": held * PAGE, "unfinished": True}}  # as status and the metrics show it
     return b, jobs, faults, held
 
 
@@ -625,6 +626,7 @@ def test_another_restore_lands_the_commit_a_park_could_not_to_take_its_pages(
     faults = CommitFaults(monkeypatch, "a", at=8, once=False)  # 8: the park's last commit, PARKED
     asyncio.run(b.swap("a", "b"))
     assert listed(b, "a") == (layout.PARKING, 2) and b.job_state("a") == "parked"
+    assert b.held() == {"a": {"bytes": 2 * PAGE, "unfinished": False}}
     asyncio.run(b.snapshot("b"))  # 30 pages free, 2 held by "a"
     c = b.alloc("c", 0, 30 * PAGE)
     data = fill(sims, c, 7)
@@ -633,11 +635,11 @@ def test_another_restore_lands_the_commit_a_park_could_not_to_take_its_pages(
     faults.cleared = healthy
     if healthy:
         asyncio.run(b.restore("c"))
-        assert sims.open(c).read() == data and listed(b, "a") == (layout.PARKED, 0)
+        assert sims.open(c).read() == data and listed(b, "a") == (layout.PARKED, 0) and b.held() == {}
         assert b.free_bytes(0) == PAGE and listed_pages_stay_theirs(b) is None
         asyncio.run(b.reclaim("c"))
     else:
-        with pytest.raises(errors.RestoreRefused):
+        with pytest.raises(errors.RestoreRefused, match=r"parked jobs hold more .*\('a' 128\.0 KiB\): check"):
             asyncio.run(b.restore("c"))
         assert listed(b, "a") == (layout.PARKING, 2) and b.job_state("c") == "parked"
         faults.clear()

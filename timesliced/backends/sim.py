@@ -61,6 +61,7 @@ from timesliced.sim.layout import (
     read_ctl,
 )
 from timesliced.util.parse import exact_size, human_size
+from timesliced.wire import status as schema
 
 log = logging.getLogger(__name__)
 
@@ -448,6 +449,18 @@ class SimBackend:
                         return "faulted"
             return "resident" if j.state == PARKING else STATE_NAMES[j.state]
 
+    def held(self) -> dict[str, schema.SimHeld]:
+        """The parked jobs that hold device pages (``_Job.held``): bytes, and whether the park is unfinished."""
+        with self._lock:
+            return {
+                j.name: {
+                    "bytes": sum(n for r in j.held for _, n in r.extents) * self.page_size,
+                    "unfinished": j.unfinished,
+                }
+                for j in self._jobs.values()
+                if j.held
+            }
+
     def regions(self, job: str) -> list[RegionInfo]:
         """The job's regions, so a daemon can hand them to clients again after a restart."""
         with self._lock:
@@ -771,7 +784,7 @@ class SimBackend:
                 free = self._allocators[r.gpu].free_pages * self.page_size
                 raise errors.OutOfMemory(
                     f"cannot restore job {j.name!r}: region {r.region} needs {exact_size(self.rounded(r.nbytes))} "
-                    f"on gpu {r.gpu}, {human_size(free)} of {human_size(self.capacity)} free",
+                    f"on gpu {r.gpu}, {human_size(free)} of {human_size(self.capacity)} free{self._held_on(r.gpu)}",
                     gpu=r.gpu,
                     requested=r.nbytes,
                     free=free,
@@ -1078,6 +1091,21 @@ class SimBackend:
                 log.info("job %r still holds simulated device memory: %s", o.name, exc.message)
             finally:
                 self._finish(o, claim)
+
+    def _held_on(self, gpu: int) -> str:
+        """What of ``gpu`` parked jobs hold for their control files (``_Job.held``), as a clause; "" if none."""
+        held = {
+            j.name: n
+            for j in self._jobs.values()
+            if (n := sum(c for r in j.held if r.gpu == gpu for _, c in r.extents) * self.page_size)
+        }
+        if not held:
+            return ""
+        names = ", ".join(f"{name!r} {human_size(n)}" for name, n in held.items())
+        return (
+            f"; parked jobs hold more until a write of their control files lands ({names}): check that the file "
+            f"system of {self.root} takes writes ({self._space()})"
+        )
 
     def _info(self, job: str, r: RegionRecord) -> RegionInfo:
         return RegionInfo(

@@ -64,6 +64,7 @@ class Parking:
             "device_source": self.device_source,
             "methods": {m: "available" if m in self.backends else self.unavailable.get(m, "") for m in METHODS},
             "checkpoint": checkpoint() if callable(checkpoint) else None,
+            "sim_held": self.sim.held() if self.sim is not None else {},
         }
 
     def sim_or_raise(self) -> SimBackend:

@@ -323,12 +323,24 @@ class CheckpointProbe(TypedDict):
     cleared_env: dict[str, str]  # variables taken away for the daemon's cuInit (CUDA_VISIBLE_DEVICES), and their values
 
 
+class SimHeld(TypedDict):
+    """Simulated device memory a parked job still holds: its park's last control-file writes failed.
+
+    Such a job is parked and whole; the pages hold its bytes until a write of its control file lands
+    (its next restore, or another job's that needs the memory), and count as free to the scheduler.
+    """
+
+    bytes: int
+    unfinished: bool  # its parked copy lacks what the pages hold: a host-file write failed too
+
+
 class Parking(TypedDict):
     default: str
     why: str
     device_source: str  # nvml | sim
     methods: dict[str, str]  # method -> "available" or why not
     checkpoint: CheckpointProbe | None  # the cuda-checkpoint method's findings, where it is available
+    sim_held: dict[str, SimHeld]  # job -> what it holds of the simulated GPUs ({}: none, or real GPUs)
 
 
 class Cgroup(TypedDict):
