@@ -716,9 +716,10 @@ def cmd_bench_workload(args: argparse.Namespace) -> int:
             scenario = scenario.quick()
         modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
         if args.plot is not None:
-            from .bench.workload_plot import require_matplotlib
+            from .bench.workload_plot import check_writable, require_matplotlib
 
             require_matplotlib()
+            check_writable(args.plot)
     except ValueError as exc:
         raise SystemExit(f"timesliced: bench workload: {exc}") from None
     signal.signal(signal.SIGTERM, _interrupt)  # stop the daemon and the workers on the way out
@@ -730,15 +731,22 @@ def cmd_bench_workload(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"timesliced: bench workload: {exc}", file=sys.stderr)
         return 1
+    if args.json:  # the figures first: a plot that cannot be written loses none of them
+        print(json.dumps(report, indent=2), flush=True)
+    else:
+        print(format_workload(report), flush=True)
     if args.plot is not None:
         from .bench.workload_plot import plot
 
-        plot(report, args.plot)
+        try:
+            plot(report, args.plot)
+        except OSError as exc:
+            print(
+                f"timesliced: bench workload: the plot could not be written ({exc}); the figures are above",
+                file=sys.stderr,
+            )
+            return 1
         say(f"plot: {args.plot}")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_workload(report))
     return 1 if failed(report) else 0
 
 

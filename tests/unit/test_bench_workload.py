@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -225,3 +226,42 @@ def test_figures_from_worker_records() -> None:
     assert (f["switches"], f["bytes_moved"], f["data_errors"], f["overlaps"]) == (4, 15, 1, 0)
     assert f["median_switch_s"] == pytest.approx(0.3) and f["median_wait_s"] == 1.0
     assert f["timeline"][0]["start"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "where, says",
+    [
+        ("missing/workload.png", "the folder .*missing does not exist; create it"),
+        (".", "is a folder: give a file name"),
+    ],
+)
+def test_a_plot_path_that_cannot_take_the_png_is_refused_before_the_run(tmp_path: Path, where: str, says: str) -> None:
+    """It was found only once the minutes of the run were over, and the figures went with the traceback."""
+    from timesliced.cli import main
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the run started")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("timesliced.bench.workload.run_workload", never)
+        with pytest.raises(SystemExit, match=f"bench workload: --plot .*{says}"):
+            main(["bench", "workload", "--quick", "--plot", str(tmp_path / where)])
+
+
+def test_a_plot_that_fails_to_write_still_prints_every_figure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from timesliced.bench import workload_plot
+    from timesliced.cli import main
+
+    report = {"lower_bound_s": 1.0, "modes": {}}
+    monkeypatch.setattr("timesliced.bench.workload.run_workload", lambda *a, **k: report)
+    monkeypatch.setattr("timesliced.bench.workload.failed", lambda r: False)
+
+    def full(report: dict[str, Any], path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(workload_plot, "plot", full)
+    assert main(["bench", "workload", "--quick", "--json", "--plot", str(tmp_path / "w.png")]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == report and "the plot could not be written" in err and "No space left" in err

@@ -5,6 +5,7 @@ matplotlib is an optional extra (``pip install 'timesliced[plot]'``); it is impo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,19 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError(f"--plot needs matplotlib: {INSTALL} (or run without --plot)") from None
+
+
+def check_writable(path: Path) -> None:
+    """Raises ``ValueError`` when ``path`` cannot take the PNG: checked before a run of minutes, not after it."""
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"--plot {path} is a folder: give a file name, such as {path / 'workload.png'}")
+    if not folder.is_dir():
+        raise ValueError(
+            f"--plot {path}: the folder {folder} does not exist; create it (mkdir -p {folder}) or plot elsewhere"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--plot {path}: this user cannot write there; pick a path it can write")
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
