@@ -326,6 +326,13 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
         help="do not restore the next waiter beside the holder before its turn (it is restored at its grant)",
     )
     residency.add_argument(
+        "--no-stream-switches",
+        action="store_true",
+        help="park the outgoing job whole before the incoming job's restore starts, instead of streaming the "
+        "restore into the room the park frees (a switch then takes the park plus the restore, not about the "
+        "longer of the two); for a backend whose streamed switches misbehave on this machine",
+    )
+    residency.add_argument(
         "--anticipate",
         type=float,
         default=0.0,
@@ -429,6 +436,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         host_memory_margin=args.host_memory_margin,
         memory_headroom=args.memory_headroom,
         prefetch=not args.no_prefetch,
+        stream_switches=not args.no_stream_switches,
         park_every_handoff=args.park_every_handoff,
         anticipate=args.anticipate,
     )

@@ -58,5 +58,6 @@ def test_serve_flags_for_residency() -> None:
     default = serve()
     assert (default.memory_headroom, default.prefetch, default.park_every_handoff) == (GiB, True, False)
     assert default.stream_switches is True
-    given = serve("--memory-headroom", "512MiB", "--no-prefetch", "--park-every-handoff")
+    given = serve("--memory-headroom", "512MiB", "--no-prefetch", "--park-every-handoff", "--no-stream-switches")
     assert (given.memory_headroom, given.prefetch, given.park_every_handoff) == (512 << 20, False, True)
+    assert given.stream_switches is False
