@@ -790,7 +790,9 @@ def format_status(status: dict[str, Any]) -> str:
                 f"{job} {_size(h['bytes'])}{' (its park unfinished)' if h['unfinished'] else ''}"
                 for job, h in held.items()
             )
-            lines.append(f"simulated memory parked jobs hold until a control-file write lands: {shown}")
+            lines.append(
+                f"simulated memory parked jobs hold until their writes land (check the sim's file system): {shown}"
+            )
     lines += ["", "DEVICES"]
     telemetry = {g["index"]: g for g in status.get("telemetry", {}).get("gpus", [])}
     for d in status["devices"]:

@@ -343,7 +343,8 @@ class _Families:
         )
         self.sim_held = GaugeMetricFamily(
             "timesliced_sim_held_bytes",
-            "Simulated device memory a parked job holds because its control-file writes failed (free once one lands).",
+            "Simulated device memory a parked job holds because its park's last writes failed (its control file's; "
+            "unfinished=true: its parked copy's too); free once a write lands.",
             labels=["job", "unfinished"],
         )
         self.dns_members_differ = GaugeMetricFamily(

@@ -639,10 +639,39 @@ def test_another_restore_lands_the_commit_a_park_could_not_to_take_its_pages(
         assert b.free_bytes(0) == PAGE and listed_pages_stay_theirs(b) is None
         asyncio.run(b.reclaim("c"))
     else:
-        with pytest.raises(errors.RestoreRefused, match=r"parked jobs hold more .*\('a' 128\.0 KiB\): check"):
-            asyncio.run(b.restore("c"))
+        tried = faults.failed
+        with pytest.raises(errors.RestoreRefused, match=r"parked jobs hold more \('a' 128\.0 KiB\) until"):
+            asyncio.run(b.restore("c"))  # 128 KiB: the 2 pages of 64 KiB
+        assert faults.failed > tried  # the commit was tried, and failed again
         assert listed(b, "a") == (layout.PARKING, 2) and b.job_state("c") == "parked"
         faults.clear()
     asyncio.run(b.reclaim("d"))
     asyncio.run(b.restore("a"))
     assert holds(jobs["a"]) and listed_pages_stay_theirs(b) is None
+
+
+@pytest.mark.parametrize("move", ["restore", "swap"])
+def test_a_restore_lands_the_commit_its_own_park_could_not_to_take_back_its_pages(
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, move: str
+) -> None:
+    """Only "a"'s park's last commit failed, and it holds 2 pages; the file takes writes again, and "a" fits only
+    with those pages: its restore, or a swap that brings it in, lands that commit first rather than being refused.
+    """
+    b, jobs = full_gpu(sims)
+    faults = CommitFaults(monkeypatch, "a", at=8, once=False)
+    asyncio.run(b.swap("a", "b"))
+    assert b.held() == {"a": {"bytes": 2 * PAGE, "unfinished": False}}
+    faults.clear()
+    if move == "restore":
+        asyncio.run(b.snapshot("b"))
+        b.alloc("d", 0, 11 * PAGE)  # 19 pages free: "a" needs 21, of which it holds 2
+        asyncio.run(b.restore("a"))
+    else:
+        asyncio.run(b.snapshot("b"))
+        d = b.alloc("d", 0, 9 * PAGE)
+        b.alloc("e", 0, 11 * PAGE)  # 10 pages free, and "d"'s 9: "a" needs 21, of which it holds 2
+        result = asyncio.run(b.swap("d", "a"))
+        assert isinstance(result.restore, MoveResult), result.restore
+        assert b.job_state("d") == "parked" and b.regions("d")[0].nbytes == d.nbytes
+    assert b.job_state("a") == "resident" and holds(jobs["a"]) and b.held() == {}
+    assert listed_pages_stay_theirs(b) is None

@@ -746,8 +746,7 @@ class SimBackend:
                 if j.state == RESIDENT:
                     return MoveResult(0, 0.0)
                 self._raise_if_faulted(j)
-            if j.unfinished:
-                self._complete_park(j)  # raises RestoreRefused: the job stays parked, whole, its pages held
+            self._give_back_held(j)  # raises RestoreRefused for an unfinished park: the job stays parked, whole
             self._complete_others(j)
             with self._lock:
                 try:
@@ -1082,18 +1081,33 @@ class SimBackend:
                 o.move = claim
         for o, claim in claims:
             try:
-                if o.unfinished:
-                    self._complete_park(o)
-                else:
-                    with self._lock:
-                        self._update(o)  # the commit its park could not land: the pages it lists go back
+                self._give_back_held(o)
             except errors.BackendError as exc:
                 log.info("job %r still holds simulated device memory: %s", o.name, exc.message)
             finally:
                 self._finish(o, claim)
 
+    def _give_back_held(self, j: _Job) -> None:
+        """Complete what a parked job's park left undone, so that the pages it holds go back (``j`` claimed as a move).
+
+        A park left unfinished is completed and committed (``_complete_park``, which raises
+        ``RestoreRefused`` while its copy cannot be completed); one whose only failure was its last
+        commit has that commit tried again, and keeps its pages, whole, while the file takes no write
+        (its restore's own commit tries once more).
+        """
+        if j.unfinished:
+            self._complete_park(j)
+            return
+        if not j.held:
+            return
+        try:
+            with self._lock:
+                self._update(j)  # the commit its park could not land: the pages it lists go back
+        except errors.BackendError as exc:
+            log.info("job %r keeps the simulated device memory its control file lists: %s", j.name, exc.message)
+
     def _held_on(self, gpu: int) -> str:
-        """What of ``gpu`` parked jobs hold for their control files (``_Job.held``), as a clause; "" if none."""
+        """What of ``gpu`` parked jobs hold (``_Job.held``), as a clause of a refusal; "" if none (under the lock)."""
         held = {
             j.name: n
             for j in self._jobs.values()
@@ -1103,8 +1117,9 @@ class SimBackend:
             return ""
         names = ", ".join(f"{name!r} {human_size(n)}" for name, n in held.items())
         return (
-            f"; parked jobs hold more until a write of their control files lands ({names}): check that the file "
-            f"system of {self.root} takes writes ({self._space()})"
+            f"; parked jobs hold more ({names}) until their control files (or, for a park left unfinished, their "
+            f"parked files) take writes: check the file system of {self.root} ({self._space()}); the restore is "
+            "tried again at the job's next grant"
         )
 
     def _info(self, job: str, r: RegionRecord) -> RegionInfo:
@@ -1636,7 +1651,8 @@ class _Swap:
     def _begin(self) -> None:
         """Check that the incoming job fits in free pages plus the outgoing job's, then start the park."""
         sim, a, b = self.sim, self.a, self.b
-        sim._complete_others(a, b)  # the pages parked jobs hold count as free to the scheduler
+        sim._give_back_held(b)  # its own held pages count as free to the scheduler, as do others'
+        sim._complete_others(a, b)
         with sim._lock:
             need: dict[int, int] = {}
             for r in b.regions.values():
