@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from timesliced.bench import copy
-from timesliced.bench.copy import describe_link, format_copy, measure_ceiling, run_copy
+from timesliced.bench.copy import describe_link, format_copy, measure_ceiling, row_ceiling, run_copy
 
 
 def test_bench_copy_reports_the_ceiling_and_each_move_against_its_model() -> None:
@@ -30,8 +30,7 @@ def test_bench_copy_reports_the_ceiling_and_each_move_against_its_model() -> Non
     for r in rows.values():
         assert r["model_gbps"] == 1.0 and r["mib"] == 1 and r["model_s"] == (1 << 20) / 1e9
         assert r["took_s"] > 0 and r["ratio"] == r["model_s"] / r["took_s"]
-        kind = "warm_duplex_gbps" if r["kind"] == "swap" else "warm_chunked_gbps"  # the ceiling of its kind
-        assert r["ceiling_gbps"] == result["ceiling"][kind]
+        assert r["ceiling_gbps"] == row_ceiling(result["ceiling"], r["kind"], 1 << 20, pool=r["pool"] == "on")
     text = format_copy(result)
     assert "copy ceiling on this machine: warm" in text and len(text.splitlines()) == 2 + 6 + 1 + 4
     for pool in ("off", " on"):
@@ -56,6 +55,17 @@ def test_the_summary_marks_a_model_above_the_ceiling_of_its_kind() -> None:
     assert "5.0 GB/s pool  on lone: 1 MiB 0.50\n" in text + "\n"
     assert "5.0 GB/s pool  on swap: 1 MiB 0.50*" in text
     assert "4.00 GB/s each for two at once" in text
+
+
+def test_each_move_is_judged_against_the_most_this_machine_lets_it_follow() -> None:
+    c = {"warm_chunked_gbps": 6.0, "warm_duplex_gbps": 4.0, "fresh_write_gbps": 1.5}
+    MiB = 1 << 20
+    assert row_ceiling(c, "snapshot", MiB, pool=True) == row_ceiling(c, "restore", 1024 * MiB, pool=True) == 6.0
+    assert row_ceiling(c, "swap", 16 * MiB, pool=True) == row_ceiling(c, "swap", 1024 * MiB, pool=True) == 4.0
+    assert row_ceiling(c, "swap", MiB, pool=True) == 3.0  # under 2 MiB its two copies go one after the other
+    # without the pool a park writes new tmpfs pages; a restore reads what was written
+    assert row_ceiling(c, "snapshot", MiB, pool=False) == row_ceiling(c, "swap", 16 * MiB, pool=False) == 1.5
+    assert row_ceiling(c, "restore", MiB, pool=False) == 6.0
 
 
 def test_the_duplex_ceiling_copies_in_two_threads_at_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,7 +38,7 @@ from typing import Any, NoReturn, TypeVar
 from timesliced import errors
 from timesliced.backends.base import DeviceInfo, JobTarget, MoveResult, SwapResult, job_name
 from timesliced.backends.sim_buffers import Buffer, BufferPool
-from timesliced.sim import COPY_CHUNK, DEFAULT_BANDWIDTH, DEFAULT_POOL
+from timesliced.sim import COPY_CHUNK, DEFAULT_BANDWIDTH, DEFAULT_POOL, SWAP_THREAD_MIN
 from timesliced.sim.clean import clean
 from timesliced.sim.layout import (
     FAULTED,
@@ -71,10 +71,7 @@ log = logging.getLogger(__name__)
 # milliseconds.
 _CHUNK = COPY_CHUNK
 _T = TypeVar("_T")
-# A swap's park copies a chunk in its helper thread, beside the restore's chunk, only from this size on:
-# handing a chunk to another thread and back costs two wake-ups (100-150 us on a 2-core machine), more
-# than copying 2 MiB a second time in the same thread.
-_HELPER_MIN = 2 << 20
+_HELPER_MIN = SWAP_THREAD_MIN
 _MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
 
 

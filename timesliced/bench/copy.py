@@ -10,8 +10,8 @@ Figures, all measured in one run:
   cache (non-temporal stores; see ``COPY_CHUNK``).
 - ``warm_duplex_gbps``: two such chunked copies at once, in two threads, as a swap makes them (its
   park and its restore; the model gives each direction the full bandwidth): the rate each reaches.
-  Both share the machine's memory bandwidth, so this is below ``warm_chunked_gbps``, and it is the
-  most a simulated swap can follow.
+  Both share the machine's memory bandwidth, so this is at most ``warm_chunked_gbps`` on a machine
+  whose one copy fills it, and it is the most a simulated swap can follow.
 - ``fresh_mmap_gbps`` / ``fresh_write_gbps``: a copy into a fresh tmpfs file, through a mapping
   (every 4 KiB page faulted in by the copy) or through ``write(2)`` (the kernel allocates the pages).
 - ``prefaulted_gbps``: a copy into a tmpfs file whose pages were allocated (``fallocate``) and
@@ -19,9 +19,8 @@ Figures, all measured in one run:
 - ``sim``: for each model bandwidth and move size, the sim backend's snapshot, restore and swap:
   the time the model gives, the time the move took, and ``ratio`` = achieved / model bandwidth
   (1.0: the move took exactly the modelled time; under 1.0: slower than the model), and
-  ``ceiling_gbps``, the ceiling above for that kind of move (``warm_duplex_gbps`` for a swap,
-  ``warm_chunked_gbps`` for a lone snapshot or restore): a model above it cannot be followed on
-  this machine, and the summary marks such rows. Each is run
+  ``ceiling_gbps``, the most this machine lets that move follow (``row_ceiling``): a model above it
+  cannot be followed, and the summary marks such rows. Each is run
   twice, without the pool of warm parked-file buffers (``pool`` off: every park writes new tmpfs
   pages, as before the pool) and with it (on: parks write into the buffers restores left). A move's
   time is what the backend measured of it (``MoveResult.seconds``; a swap's is its later half's),
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..env import default_sim_dir
-from ..sim import COPY_CHUNK
+from ..sim import COPY_CHUNK, SWAP_THREAD_MIN
 
 MiB = 1 << 20
 SIZES_MIB = (1, 16, 256, 1024)
@@ -92,15 +91,19 @@ def _copier(dst: bytearray, src: bytearray, chunk: int) -> Callable[[], Callable
     return once
 
 
-def duplex_ceiling(mib: int = 64, reps: int = 5, *, chunk: int = COPY_CHUNK) -> float:
+def duplex_ceiling(
+    mib: int = 64, reps: int = 5, *, chunk: int = COPY_CHUNK, first: tuple[bytearray, bytearray] | None = None
+) -> float:
     """GB/s each of two warm copies of ``mib`` MiB made at once, ``chunk`` bytes at a time (best of ``reps``).
 
     One copy runs in a second thread and one in this one, as a simulated swap's park and restore
     do; ``ctypes.memmove`` lets go of the GIL, as the sim's copies do, so the two really overlap.
+    ``first``: a destination and source of ``mib`` MiB, both touched, for the first copy (a caller's,
+    so the measure adds only the second pair to the memory it takes).
     """
     n = mib * MiB
-    pairs = []
-    for _ in range(2):
+    pairs = [first] if first is not None else []
+    while len(pairs) < 2:
         src = bytearray(os.urandom(MiB) * mib)
         pairs.append((bytearray(src), src))  # the destination a copy: its pages are touched already
     addresses = [(_address(dst), _address(src)) for dst, src in pairs]
@@ -164,7 +167,7 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
     out: dict[str, float] = {}
     out["warm_gbps"] = _best(reps, n, _copier(dst, src, n))
     out["warm_chunked_gbps"] = _best(reps, n, _copier(dst, src, COPY_CHUNK))
-    out["warm_duplex_gbps"] = duplex_ceiling(mib, reps)
+    out["warm_duplex_gbps"] = duplex_ceiling(mib, reps, first=(dst, src))
     # The mapping of the run being timed. Each run's set-up unmaps the one before first: that run's file
     # is unlinked by then, so its mapping is all that holds its pages, and kept they would add up to
     # ``reps`` times ``mib`` of tmpfs.
@@ -274,6 +277,25 @@ async def _sim_moves(
     return rows
 
 
+def row_ceiling(ceiling: dict[str, float], kind: str, nbytes: int, *, pool: bool) -> float:
+    """The most a simulated move of ``kind`` and ``nbytes`` can follow on this machine, in GB/s.
+
+    A lone move makes one copy at a time; a swap makes two at once (``warm_duplex_gbps``), except
+    below ``SWAP_THREAD_MIN``, where it makes them one after the other (half the rate of one). A
+    park without the pool writes new tmpfs pages, at the rate the kernel allocates them.
+    """
+    lone = ceiling["warm_chunked_gbps"]
+    if kind != "swap":
+        most = lone
+    elif min(nbytes, COPY_CHUNK) < SWAP_THREAD_MIN:
+        most = lone / 2
+    else:
+        most = ceiling["warm_duplex_gbps"]
+    if not pool and kind in ("snapshot", "swap"):
+        most = min(most, ceiling["fresh_write_gbps"])
+    return most
+
+
 def run_copy(
     *,
     bandwidths: list[float] | None = None,
@@ -298,7 +320,7 @@ def run_copy(
                 sim += asyncio.run(_sim_moves(root, sizes, gbps * 1e9, reps, pool=pool))
                 shutil.rmtree(root, ignore_errors=True)
         for row in sim:
-            row["ceiling_gbps"] = duplex if row["kind"] == "swap" else lone
+            row["ceiling_gbps"] = row_ceiling(ceiling, row["kind"], row["mib"] * MiB, pool=row["pool"] == "on")
         return {"ceiling": ceiling, "sim": sim}
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -7,15 +7,15 @@ The daemon's side (arenas, parking, restoring) is the ``sim`` backend.
 # The simulated host<->device link's default bandwidth, in bytes per second (one direction; a swap
 # uses both at once). 2 GB/s because the sim must honour it on a small machine at every size, from its
 # first switch on: a park into pages the tmpfs allocates afresh (no warm buffer in the pool yet) runs
-# at about 3 GB/s on a 2-core machine (``timesliced bench copy``: 2.8-3.6 GB/s here, against a
-# warm-copy ceiling of 7-11 GB/s as the machine is loaded). Once the pool is warm, lone moves of any
-# size follow models up to about the ceiling of copies in the sim's chunks, swaps of 16 MiB and more
-# up to about 6 GB/s (their two directions copy at once, on two cores), and 1 MiB swaps up to about
-# 4.5-5 GB/s: their two copies run one after the other in one thread (handing one to another thread
-# costs more than it), and with three control-file commits and the rest they take some 0.2-0.28 ms
-# (``timesliced bench copy``). A real PCIe link is faster (about 25 GB/s for PCIe 4.0
-# x16), so a switch on the sim costs more than on a GPU: a benchmark on the sim shows the daemon's
-# switch costs with a modest link, never page faults.
+# at about 2-3 GB/s on a 2-core machine (``timesliced bench copy``: 2.8-3.6 GB/s on one, 1.5-2.2 on a
+# slower one, against a warm-copy ceiling of 7-11 GB/s as the machine is loaded). Once the pool is
+# warm, lone moves of any size follow models up to about the ceiling of one copy in the sim's chunks
+# (6-7 GB/s here), and swaps up to about the ceiling of two such copies at once (3.2-4.1 GB/s each
+# here: both directions share the machine's memory), or half the one-copy ceiling for swaps under
+# ``SWAP_THREAD_MIN``, which copy their two directions one after the other (``timesliced bench
+# copy``). A real PCIe link is faster (about 25 GB/s for PCIe 4.0 x16), so a switch on the sim costs
+# more than on a GPU: a benchmark on the sim shows the daemon's switch costs with a modest link,
+# never page faults.
 DEFAULT_BANDWIDTH = 2e9
 
 # How many bytes of restored jobs' parked files the simulated GPU keeps, mapped, for the next parks to
@@ -32,3 +32,9 @@ DEFAULT_POOL = 1 << 30
 # ``x86_non_temporal_threshold``) and runs faster (here 6.8 against 10.9 GB/s; a 480 MiB L3 puts the
 # threshold between 128 and 192 MiB). ``timesliced bench copy`` shows both.
 COPY_CHUNK = 32 << 20
+
+# A swap's park copies a chunk in a helper thread, beside the restore's chunk, only from this size on:
+# handing a chunk to another thread and back costs two wake-ups (100-150 us on a 2-core machine), more
+# than copying 2 MiB a second time in the same thread. So a swap of chunks below it copies its two
+# directions one after the other, and follows at most half the rate of one copy.
+SWAP_THREAD_MIN = 2 << 20
