@@ -14,7 +14,7 @@ import pytest
 
 from timesliced import errors
 from timesliced.backends import sim
-from timesliced.backends.base import MoveResult
+from timesliced.backends.base import MoveResult, SwapResult
 from timesliced.backends.sim import SimBackend
 from timesliced.sim import layout
 from timesliced.sim.layout import RegionInfo, job_key
@@ -614,13 +614,14 @@ def test_a_reclaimed_park_left_unfinished_frees_the_pages_it_held(sims: Sims, mo
     assert listed_pages_stay_theirs(b) is None and not (b.root / "parked" / job_key("a")).exists()
 
 
+@pytest.mark.parametrize("move", ["restore", "swap"])
 @pytest.mark.parametrize("healthy", [True, False])
 def test_another_restore_lands_the_commit_a_park_could_not_to_take_its_pages(
-    sims: Sims, monkeypatch: pytest.MonkeyPatch, healthy: bool
+    sims: Sims, monkeypatch: pytest.MonkeyPatch, healthy: bool, move: str
 ) -> None:
     """Only the park's last commit failed: "a" is parked, whole, holding the 2 pages its file still lists. A
-    restore that needs them lands that commit first, once the file takes writes, rather than being refused
-    until "a" comes back; while it does not, the restore is refused and "a" still holds them.
+    restore that needs them (alone, or in a swap) lands that commit first, once the file takes writes, rather
+    than being refused until "a" comes back; while it does not, the restore is refused and "a" still holds them.
     """
     b, jobs = full_gpu(sims)
     faults = CommitFaults(monkeypatch, "a", at=8, once=False)  # 8: the park's last commit, PARKED
@@ -632,20 +633,29 @@ def test_another_restore_lands_the_commit_a_park_could_not_to_take_its_pages(
     data = fill(sims, c, 7)
     asyncio.run(b.snapshot("c"))
     b.alloc("d", 0, PAGE)  # 29 pages free: "c" fits only with the 2 "a" holds
+    if move == "swap":
+        b.alloc("e", 0, PAGE)  # and swapped in for "d": 28 free, and the 1 "d" frees
+    bring_in = (lambda: b.restore("c")) if move == "restore" else (lambda: b.swap("d", "c"))
     faults.cleared = healthy
     if healthy:
-        asyncio.run(b.restore("c"))
+        result = asyncio.run(bring_in())
+        assert not isinstance(result, SwapResult) or isinstance(result.restore, MoveResult), result
         assert sims.open(c).read() == data and listed(b, "a") == (layout.PARKED, 0) and b.held() == {}
-        assert b.free_bytes(0) == PAGE and listed_pages_stay_theirs(b) is None
+        assert b.job_state("c") == "resident" and listed_pages_stay_theirs(b) is None
         asyncio.run(b.reclaim("c"))
     else:
         tried = faults.failed
-        with pytest.raises(errors.RestoreRefused, match=r"parked jobs hold more \('a' 128\.0 KiB\) until"):
-            asyncio.run(b.restore("c"))  # 128 KiB: the 2 pages of 64 KiB
+        if move == "restore":
+            with pytest.raises(errors.RestoreRefused, match=r"parked jobs hold more \('a' 128\.0 KiB\) until"):
+                asyncio.run(bring_in())  # 128 KiB: the 2 pages of 64 KiB
+        else:
+            with pytest.raises(errors.RestoreRefused, match="both jobs stay where they are"):
+                asyncio.run(bring_in())
         assert faults.failed > tried  # the commit was tried, and failed again
         assert listed(b, "a") == (layout.PARKING, 2) and b.job_state("c") == "parked"
         faults.clear()
-    asyncio.run(b.reclaim("d"))
+    for other in ("d", "e"):
+        asyncio.run(b.reclaim(other))
     asyncio.run(b.restore("a"))
     assert holds(jobs["a"]) and listed_pages_stay_theirs(b) is None
 
