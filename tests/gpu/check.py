@@ -101,7 +101,15 @@ STAGES = {
 
 
 class PreflightError(Exception):
-    """The machine cannot run the check; the message says why."""
+    """The machine cannot run the check; the message says why.
+
+    ``no_gpu``: there is no usable GPU (exit status 2), rather than a package the check lacks
+    (exit status 1: install it, or give the install stage wheels to install it from).
+    """
+
+    def __init__(self, message: str, *, no_gpu: bool = True) -> None:
+        super().__init__(message)
+        self.no_gpu = no_gpu
 
 
 Progress = Callable[[str], None]
@@ -144,7 +152,9 @@ def preflight(timeout: float = 15.0) -> dict[str, Any]:
     try:
         from timesliced.nvml import Nvml
     except ImportError as exc:
-        raise PreflightError(f"timesliced cannot be imported ({exc}): pip install -e '.[cuda,test]' first") from None
+        raise PreflightError(
+            f"timesliced cannot be imported ({exc}): pip install -e '.[cuda,test]' first", no_gpu=False
+        ) from None
 
     try:
         nvml = call_with_timeout(Nvml.open, timeout, "NVML (nvmlInit)")
@@ -170,7 +180,7 @@ def preflight(timeout: float = 15.0) -> dict[str, Any]:
     try:
         cu = workload.Driver()
     except ImportError as exc:
-        raise PreflightError(f"cuda-python is not installed (pip install -e '.[cuda]'): {exc}") from None
+        raise PreflightError(f"cuda-python is not installed (pip install -e '.[cuda]'): {exc}", no_gpu=False) from None
 
     def init() -> tuple[int, str, int]:
         cu("cuInit", 0)
@@ -855,6 +865,7 @@ class Check:
         self.backends = backends
         self.workdir = workdir
         self.driver: install.DriverInfo | None = None
+        self.install_error: str | None = None  # why the install stage failed, if it did
         self.crash_backend = self.pick_crash_backend()
 
     def pick_crash_backend(self) -> str | None:
@@ -920,6 +931,7 @@ class Check:
             ok, error = got.pop("ok"), got.pop("error")
             entry.update(got)
             if not ok:
+                self.install_error = error
                 raise runner.StageFailed(error)
 
     def cuda(self) -> None:
@@ -927,7 +939,10 @@ class Check:
             try:
                 gpu = preflight()
             except PreflightError as exc:
-                raise runner.Abort(str(exc), code=2) from None
+                if exc.no_gpu:
+                    raise runner.Abort(str(exc), code=2) from None
+                why = f"; the install stage failed: {self.install_error}" if self.install_error else ""
+                raise runner.Abort(f"{exc}{why}", code=1) from None
             self.run.report["gpu"] = gpu
             entry.update(name=gpu["name"], cuda_python=gpu["cuda_python"], checkpoint_api=gpu["checkpoint_api"])
             try:

@@ -159,3 +159,29 @@ def test_a_daemon_that_cannot_park_with_the_method_ends_the_run_with_its_reason(
     assert any("cuda-checkpoint cannot run here" in e for e in result["errors"]), result["errors"]
     assert result["jobs"] == {}  # no job was started
     no_leftovers()
+
+
+@pytest.mark.parametrize("no_gpu", [True, False])
+def test_a_package_the_install_could_not_bring_is_not_reported_as_no_gpu(
+    stand_in_gpu: Callable[[bool], None], monkeypatch: pytest.MonkeyPatch, capsys: Any, no_gpu: bool
+) -> None:
+    """Exit status 2 says "no usable GPU"; a machine without network whose install failed used to get it too."""
+    stand_in_gpu(True)
+    failed = {"ok": False, "error": "pip could not install msgpack (exit status 1): no network", "installed": []}
+    monkeypatch.setattr(install, "ensure", lambda *a, **k: dict(failed))
+
+    def preflight(timeout: float = 15.0) -> dict[str, Any]:
+        if no_gpu:
+            raise check.PreflightError("no GPU: the driver lists no device")
+        raise check.PreflightError("timesliced cannot be imported (No module named 'msgpack')", no_gpu=False)
+
+    monkeypatch.setattr(check, "preflight", preflight)
+    code = check.main(["--backends", "offload", "--gib", "0.0625", "--rounds", "2", "--no-pytest", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["stage"] == "install" and not doc["ok"]  # the first stage that failed
+    cuda = doc["stages"]["cuda"]["error"]
+    if no_gpu:
+        assert code == 2 and cuda == "no GPU: the driver lists no device"
+    else:
+        assert code == 1 and "the install stage failed: pip could not install msgpack" in cuda
+    no_leftovers()
