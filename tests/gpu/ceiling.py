@@ -17,9 +17,10 @@ itself never holds a CUDA context on the GPU it measures.
   counts both halves over the longer of the two, ``bidir_h2d_gbps`` and
   ``bidir_d2h_gbps`` each direction over its own stream's time.
 - ``nvml_sees_own_pid``: while this process holds its buffers, whether NVML's
-  per-process list of the GPU has this process's PID. cuda-checkpoint finds a
-  job's processes that way, so a daemon started like this process (in the same
-  PID namespace) cannot park anything when NVML does not.
+  per-process list of the GPU has this process's PID. Where it does not, a
+  daemon started like this process (in the same PID namespace) measures what
+  cuda-checkpoint moves from each GPU's used memory instead of NVML's
+  per-process figures; it finds the processes through the driver either way.
 """
 
 from __future__ import annotations

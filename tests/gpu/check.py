@@ -1011,6 +1011,8 @@ class Check:
             if why is not None:
                 self.run.report["backends"][name] = {"ok": False, "errors": [why]}
                 raise runner.StageFailed(why)
+            if name == "cuda-checkpoint" and (note := self.nvml_blind()):
+                entry["notes"] = [note]
             report = run_backend(
                 name,
                 gib=self.args.gib,
@@ -1038,10 +1040,24 @@ class Check:
         api = (self.run.report.get("gpu") or {}).get("checkpoint_api")
         if api not in (None, "ok"):
             return f"ended early: the driver's checkpoint API cannot run here: {api}"
-        seen = (self.run.report.get("ceiling") or {}).get("nvml_sees_own_pid") or {}
-        if seen.get("ok") is False:
-            return "ended early: " + pid_blind([int(seen["pid"])], list(seen.get("nvml_pids", [])), "the probe's PID")
         return None
+
+    def nvml_blind(self) -> str | None:
+        """A note when NVML does not list the ceiling probe's PID; the stage runs all the same.
+
+        The backend finds a job's processes through the driver (``cuCheckpointProcessGetState`` on
+        the job's PIDs and their children), not through NVML; where NVML's PIDs are not this
+        namespace's, or NVML lists none of the job's, it measures footprints from each GPU's used
+        memory across the checkpoint instead of NVML's per-process figures.
+        """
+        seen = (self.run.report.get("ceiling") or {}).get("nvml_sees_own_pid") or {}
+        if seen.get("ok") is not False:
+            return None
+        listed = ", ".join(map(str, seen.get("nvml_pids", []))) or "none"
+        return (
+            f"NVML does not list the probe's PID {seen['pid']} among the GPU's processes (it lists {listed}): "
+            "footprints come from each GPU's used memory across a checkpoint, not NVML's per-process figures"
+        )
 
     def crash(self) -> None:
         name = self.crash_backend
