@@ -517,6 +517,30 @@ def test_storages_of_a_cuda_graph_pool_are_refused() -> None:
     assert len(off.asked) == n and n == asked + 2  # storages seen before are not looked up again
 
 
+@pytest.mark.parametrize("older_torch", [False, True])
+def test_private_pools_are_read_from_the_allocators_segments(monkeypatch: Any, older_torch: bool) -> None:
+    """Every segment outside the default pool (0, 0) is a private range; a torch whose memory_snapshot takes no
+    include_traces (older releases) is asked without it."""
+    segments = [
+        {"address": 4096, "total_size": 2048, "segment_pool_id": (0, 0)},
+        {"address": 65536, "total_size": 1024, "segment_pool_id": (1, 7)},
+        {"address": 8192, "total_size": 512},  # no pool id: the default pool
+    ]
+    calls: list[dict[str, Any]] = []
+
+    def memory_snapshot(mempool_id: Any = None, **kwargs: Any) -> list[dict[str, Any]]:
+        if older_torch and kwargs:
+            raise TypeError(f"memory_snapshot() got an unexpected keyword argument {next(iter(kwargs))!r}")
+        calls.append(kwargs)
+        return segments
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", memory_snapshot)
+    ranges = TorchOffload()._private_pool_ranges({torch.device("cuda", 0)})
+    assert ranges == [(65536, 66560)]
+    assert calls == ([{}] if older_torch else [{"include_traces": False}])
+    assert TorchOffload()._private_pool_ranges({torch.device("cpu")}) == [] and len(calls) == 1  # no CUDA: not asked
+
+
 def test_wrapper_subclasses_are_refused_by_name() -> None:
     two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
     t = two_tensor.TwoTensor(torch.zeros(3), torch.ones(3))

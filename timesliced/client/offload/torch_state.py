@@ -431,7 +431,11 @@ class TorchOffload:
             return []
         # Every segment of every device; the default pool is (0, 0). Inductor's CUDA-graph trees find
         # their graphs' memory the same way (get_cudagraph_segments).
-        segments = _torch().cuda.memory_snapshot(include_traces=False)
+        snapshot = _torch().cuda.memory_snapshot
+        try:
+            segments = snapshot(include_traces=False)  # no allocation stacks to gather: cheaper
+        except TypeError:  # an older torch: memory_snapshot(mempool_id=None), no include_traces
+            segments = snapshot()
         return [
             (int(seg["address"]), int(seg["address"]) + int(seg["total_size"]))
             for seg in segments
