@@ -83,16 +83,23 @@ class Arbiter:
     def advance_all(self, now: float, frozen: Mapping[str, str]) -> None:
         """Advance every group but the ``frozen`` ones (a node they span is out of reach)."""
         policy = self._slices.policy
+        # Only a group that can act is visited (so a step costs what those cost, not every group):
+        # ``advance`` does nothing for one without a queue, one whose switch is under way, or one
+        # whose holder no slice policy polices and whose next waiter is not to be prefetched. With no
+        # slice policy and no job that declared its memory, no held group can act: this loop runs
+        # after every input, over every group, so it asks that once rather than per held group.
+        held_may_act = bool(self._slices.policies) or (self._prefetching and bool(self._registry.sized))
         for group in self._registry.groups.values():
-            # Only a group that can act is visited (so a step costs what those cost, not every group):
-            # ``advance`` does nothing for one without a queue, one whose switch is under way, or one
-            # whose holder no slice policy polices and whose next waiter is not to be prefetched.
-            if not group.queue or group.name in frozen:
+            if not group.queue:
                 continue
             if group.holder is None:
-                if group.switch is None:
+                if group.switch is None and group.name not in frozen:
                     self.advance(group, now)
-            elif policy(group.name) is not None or self._may_prefetch(group):
+            elif (
+                held_may_act
+                and group.name not in frozen
+                and (policy(group.name) is not None or self._may_prefetch(group))
+            ):
                 self.advance(group, now)
 
     def advance(self, group: Group, now: float) -> None:

@@ -164,9 +164,15 @@ class MemoryLedger:
         Holders, jobs on the move, faulted or exiting jobs, jobs whose park was refused a moment
         ago and ``exclude`` are never evicted; among the rest the least recently granted go first.
         """
-        groups = self._registry.groups.values()
-        holders = {g.holder for g in groups if g.holder is not None}
-        incoming = {g.switch.incoming for g in groups if g.switch is not None}
+        groups = self._registry.groups
+
+        def busy(j: Job) -> bool:
+            # A job holds, or is the incoming job of a switch of, its own group only (``invariants``). A
+            # switch may still name a job that exited; a job registered since under that name, in another
+            # group, is not that switch's and may be parked.
+            g = groups[j.group]
+            return g.holder == j.name or (g.switch is not None and g.switch.incoming == j.name)
+
         candidates = sorted(
             (
                 j
@@ -176,7 +182,8 @@ class MemoryLedger:
                 # an exiting job is being reclaimed: parking it would race the reclaim
                 and not j.exiting
                 and refused(j, now) is None
-                and j.name not in exclude | holders | incoming
+                and j.name not in exclude
+                and not busy(j)
                 and any(j.footprint.get(gpu, 0) for gpu in need)
             ),
             key=lambda j: j.last_granted,
