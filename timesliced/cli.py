@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         action="append",
         metavar="GB/S",
-        help="a model bandwidth to try (repeatable; default: 1, 2, and half and 0.9 of the warm ceiling)",
+        help="a model bandwidth to try (repeatable; default: 1, 2, half and 0.9 of the two-copy ceiling, and 0.9 of "
+        "the one-copy ceiling)",
     )
     copy.add_argument("--mib", type=int, action="append", help="a move size in MiB (repeatable; default 1 16 256 1024)")
     copy.add_argument("--rounds", type=int, default=3, help="moves of each kind per size (the median is shown)")

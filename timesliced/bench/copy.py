@@ -14,6 +14,8 @@ Figures, all measured in one run:
   whose one copy fills it, and it is the most a simulated swap can follow.
 - ``fresh_mmap_gbps`` / ``fresh_write_gbps``: a copy into a fresh tmpfs file, through a mapping
   (every 4 KiB page faulted in by the copy) or through ``write(2)`` (the kernel allocates the pages).
+- ``mapped_read_gbps``: a copy out of a tmpfs file that was written before, its mapping made and
+  its page tables populated in the timed part, as a restore without the pool reads its parked file.
 - ``prefaulted_gbps``: a copy into a tmpfs file whose pages were allocated (``fallocate``) and
   mapped (``MAP_POPULATE``) beforehand.
 - ``sim``: for each model bandwidth and move size, the sim backend's snapshot, restore and swap:
@@ -205,6 +207,29 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
 
     out["fresh_write_gbps"] = _best(reps, n, fresh_write)
 
+    def mapped_read() -> Callable[[], None]:
+        from ..backends.sim_buffers import Buffer
+
+        _unmap(maps)
+        fd = _fresh_file(folder, "fresh", 0)
+        view = sv
+        while view:
+            view = view[os.write(fd, view) :]
+        os.close(fd)
+        out_at = _address(dst)
+
+        def go() -> None:  # as a restore without the pool: map the parked file, populate, copy out
+            buf = Buffer.open(folder / "fresh")
+            try:
+                for pos in range(0, n, COPY_CHUNK):
+                    ctypes.memmove(out_at + pos, buf.address + pos, min(COPY_CHUNK, n - pos))
+            finally:
+                buf.close()
+
+        return go
+
+    out["mapped_read_gbps"] = _best(reps, n, mapped_read)
+
     def prefaulted() -> Callable[[], None]:
         _unmap(maps)
         fd = _fresh_file(folder, "fresh", 0)
@@ -280,20 +305,21 @@ async def _sim_moves(
 def row_ceiling(ceiling: dict[str, float], kind: str, nbytes: int, *, pool: bool) -> float:
     """The most a simulated move of ``kind`` and ``nbytes`` can follow on this machine, in GB/s.
 
-    A lone move makes one copy at a time; a swap makes two at once (``warm_duplex_gbps``), except
-    below ``SWAP_THREAD_MIN``, where it makes them one after the other (half the rate of one). A
-    park without the pool writes new tmpfs pages, at the rate the kernel allocates them.
+    A lone move makes one copy at a time (``warm_chunked_gbps``). Without the pool a park writes
+    new tmpfs pages (``fresh_write_gbps``) and a restore maps its parked file first
+    (``mapped_read_gbps``). A swap makes its park's copy and its restore's at once, each at most
+    ``warm_duplex_gbps``, except below ``SWAP_THREAD_MIN``, where it makes them one after the other.
     """
     lone = ceiling["warm_chunked_gbps"]
-    if kind != "swap":
-        most = lone
-    elif min(nbytes, COPY_CHUNK) < SWAP_THREAD_MIN:
-        most = lone / 2
-    else:
-        most = ceiling["warm_duplex_gbps"]
-    if not pool and kind in ("snapshot", "swap"):
-        most = min(most, ceiling["fresh_write_gbps"])
-    return most
+    park = lone if pool else min(lone, ceiling["fresh_write_gbps"])
+    restore = lone if pool else min(lone, ceiling["mapped_read_gbps"])
+    if kind == "snapshot":
+        return park
+    if kind == "restore":
+        return restore
+    if min(nbytes, COPY_CHUNK) < SWAP_THREAD_MIN:
+        return 1 / (1 / park + 1 / restore)
+    return min(ceiling["warm_duplex_gbps"], park, restore)
 
 
 def run_copy(
@@ -333,6 +359,7 @@ def format_copy(result: dict[str, Any]) -> str:
         f"{c['warm_chunked_gbps']:.2f} GB/s (the most a lone simulated move can follow), "
         f"{c['warm_duplex_gbps']:.2f} GB/s each for two at once (the most a swap can follow)   into fresh tmpfs "
         f"pages {c['fresh_mmap_gbps']:.2f} (mmap) / {c['fresh_write_gbps']:.2f} (write) GB/s   "
+        f"out of a file mapped afresh {c['mapped_read_gbps']:.2f} GB/s   "
         f"into pre-faulted tmpfs pages {c['prefaulted_gbps']:.2f} GB/s",
         f"{'model GB/s':>10} {'pool':>4} {'MiB':>6} {'move':>9} {'model ms':>9} {'took ms':>9} {'GB/s':>7} "
         f"{'ratio':>6}",
