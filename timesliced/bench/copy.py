@@ -198,9 +198,7 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
         fd = _fresh_file(folder, "fresh", 0)
 
         def go() -> None:
-            view = sv
-            while view:
-                view = view[os.write(fd, view) :]
+            _write_all(fd, sv)
             os.close(fd)
 
         return go
@@ -212,9 +210,7 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
 
         _unmap(maps)
         fd = _fresh_file(folder, "fresh", 0)
-        view = sv
-        while view:
-            view = view[os.write(fd, view) :]
+        _write_all(fd, sv)
         os.close(fd)
         out_at = _address(dst)
 
@@ -240,6 +236,11 @@ def measure_ceiling(folder: Path, mib: int = 256, reps: int = 3) -> dict[str, fl
     _unmap(maps)
     (folder / "fresh").unlink(missing_ok=True)
     return out
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def _unmap(maps: list[mmap.mmap]) -> None:

@@ -164,19 +164,19 @@ class MemoryLedger:
         Holders, jobs on the move, faulted or exiting jobs, jobs whose park was refused a moment
         ago and ``exclude`` are never evicted; among the rest the least recently granted go first.
         """
-        groups = self._registry.groups
+        registry = self._registry
 
         def busy(j: Job) -> bool:
             # A job holds, or is the incoming job of a switch of, its own group only (``invariants``). A
             # switch may still name a job that exited; a job registered since under that name, in another
             # group, is not that switch's and may be parked.
-            g = groups[j.group]
-            return g.holder == j.name or (g.switch is not None and g.switch.incoming == j.name)
+            switch = registry.groups[j.group].switch
+            return registry.holds(j) or (switch is not None and switch.incoming == j.name)
 
         candidates = sorted(
             (
                 j
-                for j in self._registry.with_memory_on(need)
+                for j in registry.with_memory_on(need)
                 if j.location is Location.RESIDENT
                 and not j.faulted
                 # an exiting job is being reclaimed: parking it would race the reclaim
